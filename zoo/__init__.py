@@ -1,0 +1,27 @@
+"""zoo: a Flax NNX model zoo with one loader for quantized weights.
+
+Nothing heavy happens at import: ``load`` and friends import JAX/Flax on first use.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["load", "list_models", "Model"]
+
+
+def load(name_or_path, *, quant=None, mesh=None, cache=None, dtype="bfloat16"):
+    """Load a model (see ``zoo.api.load``)."""
+    from zoo.api import load as _load
+    return _load(name_or_path, quant=quant, mesh=mesh, cache=cache, dtype=dtype)
+
+
+def list_models() -> list[str]:
+    from zoo.registry import list_models as _list
+    return _list()
+
+
+def __getattr__(name):
+    if name == "Model":
+        from zoo.api import Model
+        return Model
+    raise AttributeError(f"module 'zoo' has no attribute {name!r}")

@@ -1,0 +1,72 @@
+"""Registry: model names -> ``ModelSpec`` (where the weights live, which preset describes them).
+
+``resolve_checkpoint(name)`` returns a local checkpoint directory: the embedded assets of a tiny
+model, or a Hugging Face snapshot fetched with ``huggingface_hub`` (only the files a text model
+needs; interrupted downloads resume).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+# What a text model needs from an HF repo (vision-only files are skipped).
+HF_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+               "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str
+    description: str
+    preset: str | None = None          # configs/<preset>: the real shape, for planning without weights
+    hf_repo: str | None = None         # Hugging Face repo of the original checkpoint
+    embedded: str | None = None        # zoo/assets/<embedded>: weights shipped inside the package
+    default_quant: str | None = None
+
+
+REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
+    ModelSpec("qwen38-27b", "qwen35", "Qwen3.8-27B: 48 gated-DeltaNet + 16 gated-attention layers, MTP",
+              preset="qwen38-27b.json", hf_repo="Qwen/Qwen3.8-27B"),
+    ModelSpec("qwen38-tiny", "qwen35", "Tiny Qwen3.8-architecture model with random weights (demo, tests)",
+              preset="qwen38-tiny.json", embedded="qwen38-tiny"),
+]}
+
+
+class UnknownModelError(KeyError):
+    def __str__(self):
+        return str(self.args[0])
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UnknownModelError(
+            f"unknown model {name!r}: not a registered name ({', '.join(sorted(REGISTRY))}) "
+            f"nor an existing path") from None
+
+
+def list_models() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def preset_path(preset: str) -> Path:
+    """The file of a config preset in ``configs/`` (shipped as the ``zoo.configs`` package)."""
+    return Path(str(resources.files("zoo.configs").joinpath(preset)))
+
+
+def embedded_path(name: str) -> Path:
+    return Path(str(resources.files("zoo").joinpath("assets", name)))
+
+
+def resolve_checkpoint(spec: ModelSpec) -> Path:
+    """A local directory holding the spec's checkpoint (downloading it if needed)."""
+    if spec.embedded:
+        return embedded_path(spec.embedded)
+    if spec.hf_repo:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(spec.hf_repo, allow_patterns=list(HF_PATTERNS)))
+    raise ValueError(f"model {spec.name!r} has no weight source")

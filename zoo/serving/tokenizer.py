@@ -1,0 +1,89 @@
+"""Tokenizer: HF ``tokenizers`` plus the checkpoint's jinja2 chat template.
+
+``Tokenizer.from_dir(path)`` reads ``tokenizer.json`` and ``tokenizer_config.json`` (the chat
+template may also sit in ``chat_template.jinja``); it returns None when the directory has no
+tokenizer. The template is rendered in a sandboxed jinja2 environment with the helpers HF
+templates use (``raise_exception``, ``tojson``, ``strftime_now``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any], chat_template: str | None):
+        self._tok = tokenizer
+        self.config = config
+        self.chat_template = chat_template
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.pad_token = _token_text(config.get("pad_token"))
+        self.eos_token_ids = tuple(i for i in [self.token_to_id(self.eos_token)] if i is not None)
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer | None":
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            return None
+        cfg_file = path / "tokenizer_config.json"
+        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = config.get("chat_template")
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        return cls(HFTokenizer.from_file(str(tok_file)), config, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """Render ``messages`` with the checkpoint's chat template (extra kwargs reach the template,
+        e.g. ``enable_thinking``)."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
+                x, indent=indent, ensure_ascii=ensure_ascii)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
