@@ -56,11 +56,26 @@ def resolve(name_or_path: str | Path) -> Path:
     return registry.resolve_checkpoint(registry.get_spec(str(name_or_path)))
 
 
-def fill_from_source(abstract: nnx.Module, source, name_map: NameMap) -> tuple[nnx.Module, list[str]]:
+def dense_store(source, key: str, transform: str | None, want: jax.ShapeDtypeStruct, path: str):
+    """Default storage: read the tensor, bring it to the parameter layout, cast to its dtype.
+
+    A storage function decides what a parameter holds (a dense array here; ``QArray`` planes or
+    int8 + scales in the quantized recipes). Its result must have ``.shape == want.shape``.
+    """
+    array = TRANSFORMS[transform](source.read(key))
+    if array.shape != want.shape:
+        raise SourceError(f"tensor {key!r} has shape {tuple(source.info(key).shape)}; parameter "
+                          f"{path} needs {want.shape} (after layout transform {transform!r})")
+    return jnp.asarray(array.astype(want.dtype))
+
+
+def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dense_store
+                     ) -> tuple[nnx.Module, list[str]]:
     """Fill an abstract module's parameters from ``source``; returns (module, unused source keys).
 
-    Raises ``SourceError`` naming the tensor on a shape mismatch, and naming the parameters that
-    no source tensor provided.
+    Each source tensor is read on its own and handed to ``store`` (see ``dense_store``). Raises
+    ``SourceError`` naming the tensor on a shape mismatch, and naming the parameters that no source
+    tensor provided.
     """
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
@@ -75,12 +90,11 @@ def fill_from_source(abstract: nnx.Module, source, name_map: NameMap) -> tuple[n
             continue
         path, transform = hit
         var = params[path]
-        want = var.get_value()
-        array = TRANSFORMS[transform](source.read(key))
-        if array.shape != want.shape:
-            raise SourceError(f"tensor {key!r} has shape {tuple(source.info(key).shape)}; parameter "
-                              f"{path} needs {want.shape} (after layout transform {transform!r})")
-        var.set_value(jnp.asarray(array.astype(want.dtype)))
+        value = store(source, key, transform, var.get_value(), path)
+        if tuple(value.shape) != tuple(var.get_value().shape):
+            raise SourceError(f"tensor {key!r}: stored shape {tuple(value.shape)} != parameter {path} "
+                              f"shape {var.get_value().shape}")
+        var.set_value(value)
         filled.add(path)
     missing = sorted(set(params) - filled)
     if missing:

@@ -1,17 +1,30 @@
 """The one entry point every linear layer calls: ``matmul(x, w)``.
 
-A dense weight goes to ``jnp.dot``; quantized weights (QArray) are dispatched to the kernels in
-``zoo.kernels`` when they land. Weights are stored ``[in, out]``.
+A dense weight (a jax array ``[in, out]``) goes to ``jnp.dot``. Any other stored weight type
+(``QArray`` planes, int8 with scales, ...) registers its implementation with ``register_matmul``;
+the model files never look at the storage format.
 
 Precision follows the data: float32 operands use ``Precision.HIGHEST`` (true f32 on TPU/GPU, where
-the default would round to bf16 / TF32); lower-precision operands accumulate in float32 and return
-in the activation dtype.
+the default would round to bf16 / TF32); lower-precision operands accumulate in float32.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+
+# stored-weight type -> fn(x [..., in], w, out_dtype) -> [..., out]
+_MATMUL_IMPLS: dict[type, Callable] = {}
+
+
+def register_matmul(weight_type: type):
+    """Decorator: ``fn(x, w, out_dtype)`` computes ``x @ w`` for weights of ``weight_type``."""
+    def deco(fn):
+        _MATMUL_IMPLS[weight_type] = fn
+        return fn
+    return deco
 
 
 def precision_for(dtype) -> jax.lax.Precision:
@@ -19,12 +32,17 @@ def precision_for(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
-def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """``x [..., in] @ w [in, out] -> [..., out]``, f32 accumulation, result in ``out_dtype``
-    (default ``x.dtype``)."""
+def dense_matmul(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     w = w.astype(x.dtype) if w.dtype != x.dtype else w
     out = jnp.dot(x, w, precision=precision_for(x.dtype), preferred_element_type=jnp.float32)
-    return out.astype(out_dtype or x.dtype)
+    return out.astype(out_dtype)
+
+
+def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
+    """``x [..., in] @ w [in, out] -> [..., out]``, f32 accumulation, result in ``out_dtype``
+    (default ``x.dtype``). ``w`` is a dense array or any registered stored-weight type."""
+    impl = _MATMUL_IMPLS.get(type(w), dense_matmul)
+    return impl(x, w, out_dtype or x.dtype)
 
 
 def einsum(spec: str, *operands: jax.Array) -> jax.Array:
