@@ -13,12 +13,9 @@ from safetensors import safe_open
 
 import zoo
 from tests import qwen_reference as ref
+from tests.helpers import jit_forward, rel_err
 
 SEQ = 80  # > 64: the chunked delta rule crosses a chunk boundary
-
-
-def rel_err(ours: np.ndarray, theirs: np.ndarray) -> float:
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
 
 
 @pytest.fixture(scope="module", params=["L4", "L8"])
@@ -55,17 +52,14 @@ def test_config_read_from_both_layouts(checkpoint):
 
 def test_prefill_then_decode_equals_full_forward(checkpoint):
     """Prefill 40 tokens (chunked form), then 1 token at a time (recurrent form), with a KV cache."""
-    import jax.numpy as jnp
-
     name, _, _, model, ids = checkpoint
     full = model.logits(ids)
-    m = model.module
-    cache = m.init_cache(2, SEQ)
-    ones = jnp.ones((2, 40), bool)
-    logits, _, cache = m(jnp.asarray(ids[:, :40]), ones, cache)
+    fwd = jit_forward(model.module)
+    cache = model.module.init_cache(2, SEQ)
+    logits, _, cache = fwd(ids[:, :40], np.ones((2, 40), bool), cache)
     steps = [np.asarray(logits)]
     for t in range(40, SEQ):
-        logits, _, cache = m(jnp.asarray(ids[:, t:t + 1]), jnp.ones((2, 1), bool), cache)
+        logits, _, cache = fwd(ids[:, t:t + 1], np.ones((2, 1), bool), cache)
         steps.append(np.asarray(logits))
     stepped = np.concatenate(steps, axis=1)
     err = rel_err(stepped, full)
@@ -75,16 +69,14 @@ def test_prefill_then_decode_equals_full_forward(checkpoint):
 
 def test_verify_chunk_of_k_tokens_equals_full_forward(checkpoint):
     """Prefill, then blocks of 3 tokens (the speculative-verify shape) through the same cache."""
-    import jax.numpy as jnp
-
     _, _, _, model, ids = checkpoint
     full = model.logits(ids)
-    m = model.module
-    cache = m.init_cache(2, SEQ)
-    logits, _, cache = m(jnp.asarray(ids[:, :50]), jnp.ones((2, 50), bool), cache)
+    fwd = jit_forward(model.module)
+    cache = model.module.init_cache(2, SEQ)
+    logits, _, cache = fwd(ids[:, :50], np.ones((2, 50), bool), cache)
     out = [np.asarray(logits)]
     for t in range(50, SEQ, 3):
-        logits, _, cache = m(jnp.asarray(ids[:, t:t + 3]), jnp.ones((2, min(3, SEQ - t)), bool), cache)
+        logits, _, cache = fwd(ids[:, t:t + 3], np.ones((2, min(3, SEQ - t)), bool), cache)
         out.append(np.asarray(logits))
     assert rel_err(np.concatenate(out, axis=1), full) <= 1e-4
 
@@ -104,12 +96,11 @@ def test_left_padded_batch_gives_each_sequence_its_own_logits(checkpoint):
     print(f"[{name}] padded row rel err vs its own unpadded reference: {err:.2e}")
     assert err <= 1e-4
     # And the padded cache path: prefill the padded batch, decode the rest of both rows.
-    import jax.numpy as jnp
-    m = model.module
-    cache = m.init_cache(2, SEQ + 8)
-    _, _, cache = m(jnp.asarray(batch), jnp.asarray(mask), cache)
+    fwd = jit_forward(model.module)
+    cache = model.module.init_cache(2, SEQ + 8)
+    _, _, cache = fwd(batch, mask.astype(bool), cache)
     nxt = np.array([[5], [9]])
-    logits, _, _ = m(jnp.asarray(nxt), jnp.ones((2, 1), bool), cache)
+    logits, _, _ = fwd(nxt, np.ones((2, 1), bool), cache)
     row1 = ref.torch_logits(torch_model, np.concatenate([ids[1:2, :short], nxt[1:]], axis=1))[0, -1]
     assert rel_err(np.asarray(logits)[1, 0], row1) <= 1e-4
 

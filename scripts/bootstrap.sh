@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up a virtualenv in .venv (Python >= 3.12) and run one of the project's jobs.
+#   bash scripts/bootstrap.sh generate [ARGS...]   install zoo, run the main job (tiny embedded model)
+#   bash scripts/bootstrap.sh test [PYTEST ARGS]   install zoo[dev], run the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+job="${1:-generate}"; shift || true
+
+py=""
+for cand in python3.12 python3 python; do
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+    py="$cand"; break
+  fi
+done
+[ -n "$py" ] || { echo "zoo needs Python >= 3.12 (python3.12 or python3); none found" >&2; exit 1; }
+
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+case "$job" in
+  generate)
+    "${pip[@]}" -e .
+    exec .venv/bin/zoo generate --model qwen38-tiny --prompt "${1:-Hello, zoo!}" --max-tokens 32 ;;
+  test)
+    "${pip[@]}" -e '.[dev]'
+    set +e
+    .venv/bin/python -m pytest -n 2 --dist loadfile -q "$@"
+    rc=$?
+    [ "$rc" -eq 5 ] && { echo "no tests were collected" >&2; exit 1; }
+    exit "$rc" ;;
+  *) echo "usage: bash scripts/bootstrap.sh generate|test [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,119 @@
+"""The ``zoo`` command (also ``python -m zoo``).
+
+    zoo generate --model NAME|PATH --prompt TEXT [--max-tokens N] [--temperature T] ...
+    zoo models                       registered model names
+    zoo inspect NAME|PATH            config and tensor inventory of a checkpoint, no weights loaded
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _generate(args) -> int:
+    import zoo
+
+    t0 = time.perf_counter()
+    model = zoo.load(args.model, dtype=args.dtype)
+    load_s = time.perf_counter() - t0
+    tok = model.tokenizer
+    if tok is None:
+        ids = [int(x) for x in args.prompt.split()]
+    elif args.raw or tok.chat_template is None:
+        ids = tok.encode(args.prompt)
+    else:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
+    print(f"[zoo] loaded {args.model} in {load_s:.2f}s; prompt {len(ids)} tokens", file=sys.stderr)
+    t1 = time.perf_counter()
+    tokens, first = [], None
+    printed = ""
+    for token in model.stream(ids, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed):
+        first = first or time.perf_counter()
+        tokens.append(token)
+        if tok is None:
+            print(token, end=" ", flush=True)
+            continue
+        text = tok.decode(tokens)
+        print(text[len(printed):], end="", flush=True)
+        printed = text
+    end = time.perf_counter()
+    print()
+    n = len(tokens)
+    decode_rate = (n - 1) / (end - first) if n > 1 and first else 0.0
+    print(f"[zoo] {n} tokens in {end - t1:.2f}s (first token {((first or end) - t1):.2f}s, "
+          f"decode {decode_rate:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def _models(args) -> int:
+    from zoo.registry import REGISTRY
+    for spec in REGISTRY.values():
+        print(f"{spec.name:16s} {spec.arch:10s} {spec.description}")
+    return 0
+
+
+def _inspect(args) -> int:
+    import dataclasses
+
+    from zoo.api import resolve
+    from zoo.config import load_config
+    from zoo.quant.safetensors import SafetensorsSource
+
+    path = resolve(args.model)
+    cfg = load_config(path)
+    source = SafetensorsSource(path)
+    print(json.dumps({"path": str(path), "arch": cfg.arch, "config": dataclasses.asdict(cfg)}, indent=2))
+    total = 0
+    for key in source.keys():
+        info = source.info(key)
+        n = 1
+        for d in info.shape:
+            n *= d
+        total += n * info.dtype.itemsize
+        if args.tensors:
+            print(f"{key:70s} {str(info.dtype):10s} {list(info.shape)}")
+    print(f"{len(source.keys())} tensors, {total / 1e9:.3f} GB")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zoo", description="Flax NNX model zoo: load, inspect, generate.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (greedy by default)")
+    g.add_argument("--model", default="qwen38-tiny", help="registry name or checkpoint path")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.set_defaults(fn=_generate)
+
+    m = sub.add_parser("models", help="list registered models")
+    m.set_defaults(fn=_models)
+
+    i = sub.add_parser("inspect", help="show a checkpoint's config and tensors without loading it")
+    i.add_argument("model")
+    i.add_argument("--tensors", action="store_true", help="list every tensor")
+    i.set_defaults(fn=_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, KeyError, NotImplementedError) as e:
+        print(f"zoo: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
