@@ -1,8 +1,10 @@
-"""Throughput of zoo.quant's jitted dequantizers vs gguf.quants.dequantize (numpy).
+"""Throughput of zoo.quant's jitted dequantizers, and of the load-time repack of GGUF blocks into
+the kernel planes (``zoo.quant.planes.to_planes``, numpy), vs gguf.quants.dequantize (numpy).
 
 For each type, ~16 MB of random-but-valid blocks (random bytes, finite f16 scales) laid out as
 rows of 4096 weights. gguf: best of 2 calls. Ours: ``jax.jit(dequantize_jnp)`` on a device array,
 best of 5 after a warm-up call, ``block_until_ready``. Also checks the two agree bit for bit.
+Repack: best of 3 calls of ``to_planes`` on the same host bytes; checks ``from_planes`` inverts it.
 
 MB/s counts quantized input bytes (1 MB = 2**20 bytes). Run from the repo root:
 ``PYTHONPATH=. .venv/bin/python bench/bench_dequant.py``.
@@ -18,6 +20,7 @@ from gguf import quants as gq
 
 from zoo.quant import dequantize_jnp
 from zoo.quant.ggml import F16, LAYOUTS, QType
+from zoo.quant.planes import from_planes, to_planes
 
 TYPES = [QType.IQ2_S, QType.IQ3_S, QType.IQ4_XS, QType.Q8_0, QType.Q6_K]
 TARGET_BYTES = 16 << 20
@@ -59,9 +62,14 @@ def bench(qtype: QType, rng: np.random.Generator) -> str:
     ours_s = best_seconds(lambda: jitted(device_rows, qtype).block_until_ready(), repeats=5)
 
     exact = np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+    repack_s = best_seconds(lambda: to_planes(rows, qtype), repeats=3)
+    n_blocks = rows.shape[1] // LAYOUTS[qtype].type_size
+    inverse = np.array_equal(np.asarray(from_planes(to_planes(rows, qtype), qtype, n_blocks)), rows)
     return (
         f"{qtype.name:8s} {megabytes:6.1f} MB  gguf {megabytes / gguf_s:8.1f} MB/s  "
-        f"ours {megabytes / ours_s:8.1f} MB/s  ours/gguf {gguf_s / ours_s:6.2f}x  bit-exact={exact}"
+        f"ours {megabytes / ours_s:8.1f} MB/s  ours/gguf {gguf_s / ours_s:6.2f}x  bit-exact={exact}  "
+        f"repack {megabytes / repack_s:8.1f} MB/s  repack/gguf {gguf_s / repack_s:6.2f}x  inverse={inverse}"
     )
 
 

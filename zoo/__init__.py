@@ -6,13 +6,19 @@ Nothing heavy happens at import: ``load`` and friends import JAX/Flax on first u
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["load", "list_models", "Model"]
+__all__ = ["load", "list_models", "plan", "Model"]
 
 
 def load(name_or_path, *, quant=None, mesh=None, cache=None, dtype="bfloat16"):
     """Load a model (see ``zoo.api.load``)."""
     from zoo.api import load as _load
     return _load(name_or_path, quant=quant, mesh=mesh, cache=cache, dtype=dtype)
+
+
+def plan(name, *, quant, devices=8):
+    """Memory plan of a registry model under a quantization recipe (see ``zoo.quant.plan.plan``)."""
+    from zoo.quant.plan import plan as _plan
+    return _plan(name, quant=quant, devices=devices)
 
 
 def list_models() -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import time
 from pathlib import Path
 
@@ -28,10 +29,13 @@ from flax import nnx
 from zoo import registry
 from zoo.config import load_config
 from zoo.models import arch as get_arch
-from zoo.quant.names import TRANSFORMS, NameMap
-from zoo.quant.safetensors import SafetensorsSource, SourceError
+from zoo.quant.fp8 import Fp8Dequantized
+from zoo.quant.names import TRANSFORMS, NameMap, Target, apply_transform
+from zoo.quant.safetensors import SafetensorsSource, SourceError, TensorInfo
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+# quant= name -> "module:function" of the storage function handed to ``fill_from_source``.
+QUANT_STORES = {"int8": "zoo.quant.int8:int8_store"}
 
 
 def _dtype(dtype) -> jnp.dtype:
@@ -43,11 +47,11 @@ def _dtype(dtype) -> jnp.dtype:
 
 
 def resolve(name_or_path: str | Path) -> Path:
-    """A local checkpoint directory for a registry name or a path."""
+    """A local checkpoint directory (or ``.gguf`` file) for a registry name or a path."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         if path.is_file() and path.suffix == ".gguf":
-            raise NotImplementedError(f"{path}: GGUF loading is not implemented yet")
+            return path                     # a GGUF file, or the first of a split set
         if not path.is_dir():
             raise ValueError(f"{path}: expected a checkpoint directory (config.json + *.safetensors)")
         if not (path / "config.json").is_file():
@@ -69,32 +73,81 @@ def dense_store(source, key: str, transform: str | None, want: jax.ShapeDtypeStr
     return jnp.asarray(array.astype(want.dtype))
 
 
+class StackedSlices:
+    """A one-tensor source view: the source tensors ``keys[i]`` (each through ``target.transform``)
+    stacked along a new first axis, for a parameter filled slice by slice (a ``Rule`` with ``index``).
+    Its only key is ``name`` (the slices' name with ``*`` for the index)."""
+
+    def __init__(self, source, keys: list[str], target: Target, want: jax.ShapeDtypeStruct):
+        self.source, self.slice_keys, self.target, self.want = source, keys, target, want
+        self.name = target.sibling(keys[0], "*")
+
+    def keys(self) -> list[str]:
+        return [self.name]
+
+    def info(self, key: str) -> TensorInfo:
+        return TensorInfo(self.source.info(self.slice_keys[0]).dtype, tuple(self.want.shape))
+
+    def read(self, key: str, index=()) -> np.ndarray:
+        stacked = None
+        for i, k in enumerate(self.slice_keys):
+            part = apply_transform(self.target.transform, self.source.read(k))
+            if part.shape != tuple(self.want.shape[1:]):
+                raise SourceError(f"tensor {k!r} has shape {tuple(self.source.info(k).shape)}; slice {i} of "
+                                  f"parameter {self.target.path} needs {tuple(self.want.shape[1:])} "
+                                  f"(after layout transform {self.target.transform!r})")
+            if stacked is None:
+                stacked = np.empty((len(self.slice_keys),) + part.shape, part.dtype)
+            stacked[i] = part
+        return stacked[index]
+
+
+def _stacked_view(source, slices: dict[int, str], target: Target, want) -> StackedSlices:
+    """Check that ``slices`` (slice index -> source key) covers the parameter's first axis exactly."""
+    n = want.shape[0]
+    some_key = next(iter(slices.values()))
+    extra = sorted(i for i in slices if i >= n)
+    if extra:
+        raise SourceError(f"tensor {slices[extra[0]]!r}: slice {extra[0]} is out of range for parameter "
+                          f"{target.path} ({n} slices)")
+    missing = [i for i in range(n) if i not in slices]
+    if missing:
+        names = ", ".join(repr(target.sibling(some_key, i)) for i in missing[:4])
+        raise SourceError(f"the checkpoint has no tensor {names}"
+                          f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''} "
+                          f"(slice(s) {missing[:4]} of parameter {target.path})")
+    return StackedSlices(source, [slices[i] for i in range(n)], target, want)
+
+
 def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dense_store
                      ) -> tuple[nnx.Module, list[str]]:
     """Fill an abstract module's parameters from ``source``; returns (module, unused source keys).
 
-    Each source tensor is read on its own and handed to ``store`` (see ``dense_store``). Raises
-    ``SourceError`` naming the tensor on a shape mismatch, and naming the parameters that no source
-    tensor provided.
+    Each source tensor is read on its own and handed to ``store`` (see ``dense_store``); tensors that
+    are slices of one parameter (``Rule.index``) are handed over stacked, as one ``StackedSlices``
+    view. Raises ``SourceError`` naming the tensor on a shape mismatch or a missing slice, and naming
+    the parameters that no source tensor provided.
     """
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     params = {".".join(map(str, path)): var for path, var in flat}
     filled, unused = set(), []
+    sliced: dict[str, tuple[Target, dict[int, str]]] = {}
     for key in source.keys():
         if name_map.ignored(key):
             continue
-        hit = name_map.lookup(key)
-        if hit is None or hit[0] not in params:
+        hit = name_map.resolve(key)
+        if hit is None or hit.path not in params:
             unused.append(key)
             continue
-        path, transform = hit
-        var = params[path]
-        value = store(source, key, transform, var.get_value(), path)
-        if tuple(value.shape) != tuple(var.get_value().shape):
-            raise SourceError(f"tensor {key!r}: stored shape {tuple(value.shape)} != parameter {path} "
-                              f"shape {var.get_value().shape}")
-        var.set_value(value)
+        if hit.index is not None:
+            sliced.setdefault(hit.path, (hit, {}))[1][hit.index] = key
+            continue
+        _fill(params[hit.path], store, source, key, hit.transform, hit.path)
+        filled.add(hit.path)
+    for path, (target, slices) in sliced.items():
+        view = _stacked_view(source, slices, target, params[path].get_value())
+        _fill(params[path], store, view, view.name, None, path)
         filled.add(path)
     missing = sorted(set(params) - filled)
     if missing:
@@ -103,11 +156,36 @@ def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dens
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), unused
 
 
+def _fill(var, store, source, key: str, transform, path: str) -> None:
+    """Store source tensor ``key`` into the parameter ``var`` (at ``path``)."""
+    value = store(source, key, transform, var.get_value(), path)
+    if tuple(value.shape) != tuple(var.get_value().shape):
+        raise SourceError(f"tensor {key!r}: stored shape {tuple(value.shape)} != parameter {path} "
+                          f"shape {var.get_value().shape}")
+    var.set_value(value)
+
+
+def _store_for(quant: str | None, gguf: bool = False, dtype: str = "bfloat16"):
+    """The storage function for a ``quant=`` name: ``QUANT_STORES``, else a recipe of
+    ``zoo.quant.recipes`` (for None: ``dense_store``, or a GGUF's tensors as stored)."""
+    if quant in QUANT_STORES:
+        module, name = QUANT_STORES[quant].split(":")
+        return getattr(importlib.import_module(module), name)
+    if quant is None and not gguf:
+        return dense_store
+    from zoo.quant.recipes import store_for
+    return store_for(quant, dtype, also_known=tuple(QUANT_STORES))
+
+
+def _has_mtp_tensors(source, name_map: NameMap) -> bool:
+    """Some source tensor maps to an MTP parameter (``mtp.*``)."""
+    return any((hit := name_map.resolve(k)) is not None and hit.path.startswith("mtp.") for k in source.keys())
+
+
 def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache=None,
          dtype="bfloat16") -> "Model":
     """Load a model by registry name or from a local HF checkpoint directory (see module doc)."""
-    if quant is not None:
-        raise NotImplementedError(f"quant={quant!r}: quantized recipes are not implemented yet")
+    store = _store_for(quant, gguf=str(name_or_path).endswith(".gguf"), dtype=jnp.dtype(_dtype(dtype)).name)
     if mesh is not None:
         raise NotImplementedError("mesh=: sharded loading is not implemented yet")
     if cache is not None:
@@ -116,18 +194,26 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
     dt = _dtype(dtype)
     ckpt = resolve(name_or_path)
     t_resolve = time.perf_counter()
-    cfg = load_config(ckpt)
-    source = SafetensorsSource(ckpt)
-    if hasattr(cfg, "mtp_num_hidden_layers") and not cfg.mtp_num_hidden_layers and any(
-            k.startswith("mtp.") for k in source.keys()):
-        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)   # MTP weights present, config silent
-    arch = get_arch(cfg.arch)
+    if ckpt.suffix == ".gguf":
+        from zoo.quant.gguf_model import open_gguf
+        source, cfg, name_map, tokenizer = open_gguf(ckpt)   # config, names, vocab: from the file
+        arch = get_arch(cfg.arch)
+    else:
+        cfg = load_config(ckpt)
+        source = Fp8Dequantized(SafetensorsSource(ckpt))
+        arch = get_arch(cfg.arch)
+        if hasattr(cfg, "mtp_num_hidden_layers") and not cfg.mtp_num_hidden_layers and _has_mtp_tensors(
+                source, arch.hf_name_map(cfg)):
+            cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)   # MTP weights present, config silent
+        name_map = arch.hf_name_map(cfg)
+        from zoo.serving.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_dir(ckpt)
     abstract = nnx.eval_shape(lambda: arch.model_class()(cfg, dtype=dt))
-    module, unused = fill_from_source(abstract, source, arch.hf_name_map())
+    module, unused = fill_from_source(abstract, source, name_map, store)
     t_fill = time.perf_counter()
-    from zoo.serving.tokenizer import Tokenizer
-    tokenizer = Tokenizer.from_dir(ckpt)
-    info = {"source": "source", "path": str(ckpt), "dtype": jnp.dtype(dt).name, "unused_tensors": unused,
+    info = {"source": "gguf" if ckpt.suffix == ".gguf" else "source", "path": str(ckpt),
+            "dtype": jnp.dtype(dt).name, "quant": quant,
+            "unused_tensors": unused,
             "seconds": {"resolve": t_resolve - t0, "fill": t_fill - t_resolve,
                         "total": time.perf_counter() - t0}}
     return Model(module, cfg, tokenizer, info)
@@ -159,7 +245,7 @@ class Model:
         self._graphdef, self._state = nnx.split(module)
         self._logits_fn = jax.jit(functools.partial(_full_forward, self._graphdef))
         self._mtp_fn = jax.jit(functools.partial(_mtp_forward, self._graphdef))
-        self._generator = None
+        self._generators = {}
 
     @staticmethod
     def _inputs(input_ids, attention_mask):
@@ -192,20 +278,23 @@ class Model:
             raise ValueError("mtp_logits needs at least 2 tokens per row")
         return np.asarray(self._mtp_fn(self._state, ids, mask), dtype=np.float32)
 
-    @property
-    def generator(self):
-        if self._generator is None:
+    def generator(self, spec_tokens: int = 0):
+        """The continuous-batching ``Generator`` for this model (one per draft length)."""
+        if spec_tokens not in self._generators:
             from zoo.serving.engine import Generator
-            self._generator = Generator(self)
-        return self._generator
+            self._generators[spec_tokens] = Generator(self, spec_tokens=spec_tokens)
+        return self._generators[spec_tokens]
 
     def generate(self, input_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop=None, spec_tokens: int = 0):
-        """Generate for each prompt in ``input_ids`` (a list of token lists) -> list[Generation]."""
-        return self.generator.generate(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                                       spec_tokens=spec_tokens)
+        """Generate for each prompt in ``input_ids`` (a list of token lists) -> list[Generation].
 
-    def stream(self, input_ids, **kwargs):
+        ``stop``: token ids and/or strings; ``spec_tokens`` k > 0 drafts k tokens per step with the
+        model's MTP head (output identical to plain decoding at temperature 0)."""
+        return self.generator(spec_tokens).generate(
+            input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop=stop)
+
+    def stream(self, input_ids, *, spec_tokens: int = 0, **kwargs):
         """Iterator over the generated token ids of one prompt (a list of ints)."""
-        return self.generator.stream(input_ids, **kwargs)
+        return self.generator(spec_tokens).stream(input_ids, **kwargs)

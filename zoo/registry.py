@@ -32,6 +32,10 @@ REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
               preset="qwen38-27b.json", hf_repo="Qwen/Qwen3.8-27B"),
     ModelSpec("qwen38-tiny", "qwen35", "Tiny Qwen3.8-architecture model with random weights (demo, tests)",
               preset="qwen38-tiny.json", embedded="qwen38-tiny"),
+    ModelSpec("glm53-flash", "glm5next", "GLM-5.3-Flash: 34 KDA + 11 MLA/indexer layers, 288-expert MoE, "
+              "mHC streams, MTP (FP8 weights)", preset="glm53-flash.json", hf_repo="zai-org/GLM-5.3-Flash"),
+    ModelSpec("glm53-tiny", "glm5next", "Tiny GLM-5.3-architecture model with random weights (demo, tests)",
+              preset="glm53-tiny.json", embedded="glm53-tiny"),
 ]}
 
 

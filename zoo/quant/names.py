@@ -3,14 +3,18 @@
 A map is a ``NameMap``: prefixes stripped from source names, patterns of names that are ignored on
 purpose (vision towers), and rules ``(regex, parameter-path template, transform)``. The regex is
 matched against the whole stripped name; the template may use its groups (``\\1``). A transform
-names a function in ``TRANSFORMS`` that turns the stored array into the parameter's layout.
+names a function in ``TRANSFORMS`` that turns the stored array into the parameter's layout, or is a
+``Transform``: a ``TRANSFORMS`` entry preceded by a ``HeadOrder`` (a permutation of heads that
+depends on the config, e.g. llama.cpp's value-head order in ``qwen35`` GGUFs). Maps whose rules
+depend on the config are built by a function of it (``GGUF_NAME_MAPS``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -20,18 +24,109 @@ def _hf_conv(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(w.shape[0], w.shape[-1]).T)
 
 
+def _a_log_from_ssm_a(w: np.ndarray) -> np.ndarray:
+    """GGUF ``ssm_a`` holds ``-exp(A_log)``; the parameter is ``A_log``."""
+    return np.log(-w.astype(np.float32))
+
+
 TRANSFORMS: dict[str | None, Callable[[np.ndarray], np.ndarray]] = {
     None: lambda w: w,
-    "T": lambda w: np.ascontiguousarray(w.T),   # torch Linear [out, in] -> [in, out]
+    "T": lambda w: np.ascontiguousarray(w.T),   # torch Linear / GGUF matrix [out, in] -> [in, out]
     "conv": _hf_conv,
+    "conv_gguf": lambda w: np.ascontiguousarray(w.T),   # GGUF ssm_conv1d [C, K] -> [K, C]
+    "minus_one": lambda w: w.astype(np.float32) - np.float32(1),   # GGUF stores (1 + w) norms
+    "a_log_from_ssm_a": _a_log_from_ssm_a,
 }
 
 
 @dataclass(frozen=True)
+class HeadOrder:
+    """A head permutation to undo on one axis of a stored (numpy-order) tensor.
+
+    llama.cpp writes ``qwen35`` value heads *tiled* (``[G0_v0, G1_v0, ..., G0_v1, G1_v1, ...]``)
+    where HF keeps them *grouped* by key head (``[G0_v0..v{r-1}, G1_v0..]``): stored head
+    ``s * groups + g`` is logical head ``g * per_group + s``. Entries ``[start, start + span)``
+    of ``axis`` are heads of ``unit`` entries each (``span = groups * per_group * unit``); the rest
+    of the axis is left alone.
+    """
+
+    axis: int
+    start: int
+    groups: int
+    per_group: int
+    unit: int
+
+    @property
+    def span(self) -> int:
+        return self.groups * self.per_group * self.unit
+
+    def index(self, n: int) -> np.ndarray:
+        """int[n]: ``logical = stored.take(index, axis)`` for an axis of length ``n``."""
+        if self.start + self.span > n:
+            raise ValueError(f"head order needs {self.start + self.span} entries on axis {self.axis}, "
+                             f"the tensor has {n}")
+        heads = np.arange(self.span).reshape(self.per_group, self.groups, self.unit).transpose(1, 0, 2)
+        return np.concatenate([np.arange(self.start), self.start + heads.reshape(-1),
+                               np.arange(self.start + self.span, n)])
+
+    def restore(self, w: np.ndarray) -> np.ndarray:
+        return np.take(w, self.index(w.shape[self.axis]), axis=self.axis)
+
+    def as_view(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The order as a reshape + transpose of the whole axis, ``(shape, axes)`` with
+        ``stored = logical.reshape(shape).transpose(axes).reshape(n)``; None unless the head span
+        is the whole axis."""
+        if self.start or self.span != n:
+            return None
+        return (self.groups, self.per_group, self.unit), (1, 0, 2)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """Undo ``heads`` on the stored array, then apply ``TRANSFORMS[layout]``."""
+
+    layout: str | None = None
+    heads: HeadOrder | None = None
+
+    def __call__(self, w: np.ndarray) -> np.ndarray:
+        return TRANSFORMS[self.layout](w if self.heads is None else self.heads.restore(w))
+
+
+def apply_transform(transform: "str | Transform | None", w: np.ndarray) -> np.ndarray:
+    """A rule's transform (a ``TRANSFORMS`` name or a ``Transform``) applied to a stored array."""
+    return transform(w) if isinstance(transform, Transform) else TRANSFORMS[transform](w)
+
+
+def layout_of(transform: "str | Transform | None") -> str | None:
+    """The ``TRANSFORMS`` name a rule's transform ends with."""
+    return transform.layout if isinstance(transform, Transform) else transform
+
+
+@dataclass(frozen=True)
 class Rule:
+    """``index`` (optional) names the regex group holding a slice index: many source tensors then fill
+    slices of one parameter along its first axis (experts stored one tensor per expert on disk,
+    stacked into one ``[E, in, out]`` bank); ``transform`` applies to each source tensor."""
+
     pattern: str
     target: str
-    transform: str | None = None
+    transform: str | Transform | None = None
+    index: str | None = None
+
+
+class Target(NamedTuple):
+    """Where a source tensor goes: parameter ``path`` (after ``transform``), or slice ``index`` of it.
+    ``index_span`` is where the index sits in the source name."""
+
+    path: str
+    transform: str | Transform | None
+    index: int | None = None
+    index_span: tuple[int, int] | None = None
+
+    def sibling(self, name: str, index: int | str) -> str:
+        """The source name of slice ``index`` of the same parameter, given this slice's ``name``."""
+        start, end = self.index_span
+        return f"{name[:start]}{index}{name[end:]}"
 
 
 class NameMap:
@@ -41,18 +136,28 @@ class NameMap:
         self._compiled = [(re.compile(r.pattern), r) for r in self.rules]
         self._compiled_ignore = [re.compile(p) for p in ignore]
 
-    def lookup(self, name: str) -> tuple[str, str | None] | None:
-        """(parameter path, transform) for a source name; None if no rule matches."""
+    def resolve(self, name: str) -> Target | None:
+        """The ``Target`` of a source name; None if no rule matches."""
         stripped = name
         for prefix in self.strip_prefixes:
             if stripped.startswith(prefix):
                 stripped = stripped[len(prefix):]
                 break
+        offset = len(name) - len(stripped)
         for regex, rule in self._compiled:
             m = regex.fullmatch(stripped)
             if m:
-                return m.expand(rule.target), rule.transform
+                if rule.index is None:
+                    return Target(m.expand(rule.target), rule.transform)
+                start, end = m.span(rule.index)
+                return Target(m.expand(rule.target), rule.transform, int(m.group(rule.index)),
+                              (start + offset, end + offset))
         return None
+
+    def lookup(self, name: str) -> tuple[str, str | Transform | None] | None:
+        """(parameter path, transform) for a source name; None if no rule matches."""
+        target = self.resolve(name)
+        return None if target is None else (target.path, target.transform)
 
     def ignored(self, name: str) -> bool:
         return any(p.match(name) for p in self._compiled_ignore)
@@ -92,3 +197,119 @@ QWEN35_HF = NameMap(
         + _qwen35_layer_rules(r"mtp\.layers\.0", "mtp.block")
     ),
 )
+
+
+def qwen35_gguf_names(cfg) -> NameMap:
+    """llama.cpp's ``qwen35`` GGUF layout for a ``Qwen38Config`` (REFERENCE.md section 2).
+
+    Numpy-order matrices are ``[out, in]`` ("T"); norms are stored ``1 + w`` ("minus_one", all but
+    the DeltaNet output norm); ``ssm_a`` is ``-exp(A_log)``; every value-head tensor has its heads
+    tiled (``HeadOrder``); the MTP block is ``blk.{num_hidden_layers}`` plus its ``nextn.*`` tensors
+    (the ``nextn`` copies of the embedding and head, when present, are the shared ones: ignored).
+    """
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    order = dict(groups=nk, per_group=nv // nk)
+    v_rows = HeadOrder(axis=0, start=0, unit=cfg.linear_value_head_dim, **order)
+    qkv_rows = HeadOrder(axis=0, start=2 * nk * cfg.linear_key_head_dim, unit=cfg.linear_value_head_dim, **order)
+    head_rows = HeadOrder(axis=0, start=0, unit=1, **order)
+    v_cols = HeadOrder(axis=1, start=0, unit=cfg.linear_value_head_dim, **order)
+
+    def block(src: str, dst: str) -> list[Rule]:
+        return [
+            Rule(rf"{src}\.attn_norm\.weight", f"{dst}.input_layernorm.weight", "minus_one"),
+            Rule(rf"{src}\.post_attention_norm\.weight", f"{dst}.post_attention_layernorm.weight", "minus_one"),
+            Rule(rf"{src}\.attn_qkv\.weight", f"{dst}.linear_attn.in_proj_qkv.kernel", Transform("T", qkv_rows)),
+            Rule(rf"{src}\.attn_gate\.weight", f"{dst}.linear_attn.in_proj_z.kernel", Transform("T", v_rows)),
+            Rule(rf"{src}\.ssm_beta\.weight", f"{dst}.linear_attn.in_proj_b.kernel", Transform("T", head_rows)),
+            Rule(rf"{src}\.ssm_alpha\.weight", f"{dst}.linear_attn.in_proj_a.kernel", Transform("T", head_rows)),
+            Rule(rf"{src}\.ssm_conv1d\.weight", f"{dst}.linear_attn.conv_weight", Transform("conv_gguf", qkv_rows)),
+            Rule(rf"{src}\.ssm_a", f"{dst}.linear_attn.A_log", Transform("a_log_from_ssm_a", head_rows)),
+            Rule(rf"{src}\.ssm_dt\.bias", f"{dst}.linear_attn.dt_bias", Transform(None, head_rows)),
+            Rule(rf"{src}\.ssm_norm\.weight", f"{dst}.linear_attn.norm.weight"),
+            Rule(rf"{src}\.ssm_out\.weight", f"{dst}.linear_attn.out_proj.kernel", Transform("T", v_cols)),
+            Rule(rf"{src}\.attn_(?P<p>q|k|v)\.weight", rf"{dst}.self_attn.\g<p>_proj.kernel", "T"),
+            Rule(rf"{src}\.attn_(?P<p>q|k|v)\.bias", rf"{dst}.self_attn.\g<p>_proj.bias"),
+            Rule(rf"{src}\.attn_output\.weight", f"{dst}.self_attn.o_proj.kernel", "T"),
+            Rule(rf"{src}\.attn_output\.bias", f"{dst}.self_attn.o_proj.bias"),
+            Rule(rf"{src}\.attn_(?P<p>q|k)_norm\.weight", rf"{dst}.self_attn.\g<p>_norm.weight", "minus_one"),
+            Rule(rf"{src}\.ffn_(?P<p>gate|up|down)\.weight", rf"{dst}.mlp.\g<p>_proj.kernel", "T"),
+        ]
+
+    mtp = rf"blk\.{cfg.num_hidden_layers}"
+    return NameMap(
+        ignore=(rf"{mtp}\.nextn\.(embed_tokens|shared_head_head)\.",),
+        rules=tuple(
+            [Rule(r"token_embd\.weight", "embed_tokens.embedding"),
+             Rule(r"output_norm\.weight", "norm.weight", "minus_one"),
+             Rule(r"output\.weight", "lm_head.kernel", "T"),
+             Rule(rf"{mtp}\.nextn\.eh_proj\.weight", "mtp.fc.kernel", "T"),
+             Rule(rf"{mtp}\.nextn\.enorm\.weight", "mtp.embed_norm.weight", "minus_one"),
+             Rule(rf"{mtp}\.nextn\.hnorm\.weight", "mtp.hidden_norm.weight", "minus_one"),
+             Rule(rf"{mtp}\.nextn\.shared_head_norm\.weight", "mtp.final_norm.weight", "minus_one")]
+            + block(mtp, "mtp.block")
+            + block(r"blk\.(?P<i>\d+)", r"layers.\g<i>")
+        ),
+    )
+
+
+def _glm5next_layer_rules(src: str, dst: str) -> list[Rule]:
+    """One GLM-5.3 decoder layer's on-disk HF tensors, under source prefix ``src`` and parameter prefix ``dst``."""
+    sa, ix, mlp = rf"{src}\.self_attn", rf"{src}\.self_attn\.indexer", rf"{src}\.mlp"
+    linears = ("q_proj|k_proj|v_proj|f_a_proj|f_b_proj|b_proj|g_a_proj|g_b_proj|o_proj"   # KDA
+               "|q_a_proj|q_b_proj|kv_a_proj_with_mqa")                                   # MLA
+    return [
+        Rule(rf"{src}\.hc_(?P<s>attn|ffn)_(?P<n>fn|base|scale)", rf"{dst}.\g<s>_hc.\g<n>"),
+        Rule(rf"{src}\.(?P<n>input_layernorm|post_attention_layernorm)\.weight", rf"{dst}.\g<n>.weight"),
+        Rule(rf"{sa}\.(?P<n>{linears})\.weight", rf"{dst}.self_attn.\g<n>.kernel", "T"),
+        Rule(rf"{sa}\.(?P<n>q_a_proj|kv_a_proj_with_mqa|o_proj)\.bias", rf"{dst}.self_attn.\g<n>.bias"),
+        Rule(rf"{sa}\.(?P<n>q|k|v)_conv1d\.weight", rf"{dst}.self_attn.\g<n>_conv", "conv"),
+        Rule(rf"{sa}\.(?P<n>A_log|dt_bias)", rf"{dst}.self_attn.\g<n>"),
+        Rule(rf"{sa}\.(?P<n>o_norm|q_a_layernorm|kv_a_layernorm)\.weight", rf"{dst}.self_attn.\g<n>.weight"),
+        Rule(rf"{sa}\.kv_b_proj\.weight", rf"{dst}.self_attn.kv_b", "T"),
+        Rule(rf"{ix}\.(?P<n>wq_b|wk|weights_proj)\.weight", rf"{dst}.self_attn.indexer.\g<n>.kernel", "T"),
+        Rule(rf"{ix}\.k_norm\.(?P<n>weight|bias)", rf"{dst}.self_attn.indexer.k_norm.\g<n>"),
+        Rule(rf"{ix}\.index_kpool_compress_gate", rf"{dst}.self_attn.indexer.compress_gate.kernel", "T"),
+        Rule(rf"{ix}\.index_kpool_compress_ape", rf"{dst}.self_attn.indexer.compress_ape"),
+        Rule(rf"{mlp}\.gate\.weight", rf"{dst}.mlp.router.weight", "T"),
+        Rule(rf"{mlp}\.gate\.e_score_correction_bias", rf"{dst}.mlp.router.correction_bias"),
+        Rule(rf"{mlp}\.experts\.(?P<e>\d+)\.(?P<n>gate|up|down)_proj\.weight",
+             rf"{dst}.mlp.experts.\g<n>_kernel", "T", index="e"),
+        Rule(rf"{mlp}\.shared_experts\.(?P<n>gate_proj|up_proj|down_proj)\.weight",
+             rf"{dst}.mlp.shared_experts.\g<n>.kernel", "T"),
+        Rule(rf"{mlp}\.(?P<n>gate_proj|up_proj|down_proj)\.weight", rf"{dst}.mlp.\g<n>.kernel", "T"),
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _glm5next_hf(num_hidden_layers: int) -> NameMap:
+    mtp = rf"layers\.{num_hidden_layers}"
+    return NameMap(
+        strip_prefixes=("model.language_model.", "model."),
+        ignore=(r"model\.visual\.", r"visual\.",
+                r"(model\.(language_model\.)?)?layers\.\d+\.(embed_tokens|shared_head\.head)\."),
+        rules=tuple(
+            [Rule(r"embed_tokens\.weight", "embed_tokens.embedding"),
+             Rule(r"norm\.weight", "norm.weight"),
+             Rule(r"lm_head\.weight", "lm_head.kernel", "T"),
+             Rule(rf"{mtp}\.eh_proj\.weight", "mtp.fc.kernel", "T"),
+             Rule(rf"{mtp}\.enorm\.weight", "mtp.embed_norm.weight"),
+             Rule(rf"{mtp}\.hnorm\.weight", "mtp.hidden_norm.weight"),
+             Rule(rf"{mtp}\.shared_head\.norm\.weight", "mtp.final_norm.weight")]
+            + _glm5next_layer_rules(mtp, "mtp.block")
+            + _glm5next_layer_rules(r"layers\.(?P<i>\d+)", r"layers.\g<i>")
+        ),
+    )
+
+
+def glm5next_hf(cfg) -> NameMap:
+    """HF ``glm5_next`` checkpoints (on-disk names): ``model.language_model.*`` (multimodal) or
+    ``model.*`` (text only), ``lm_head.weight`` at the top level; the MTP layer is
+    ``layers.{num_hidden_layers}``; the vision tower and the MTP layer's copies of the embedding
+    and head (when present) are ignored."""
+    return _glm5next_hf(cfg.num_hidden_layers)
+
+
+# GGUF ``general.architecture`` -> fn(config) -> NameMap.
+GGUF_NAME_MAPS: dict[str, Callable] = {
+    "qwen35": qwen35_gguf_names,
+}

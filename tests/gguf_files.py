@@ -1,0 +1,50 @@
+"""Writing GGUF files in tests with ``gguf.GGUFWriter``: copies of a fixture's metadata, tensors of
+any type (float arrays, gguf-quantized, or raw blocks), single files or split sets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import quants as gq
+
+from zoo.quant.ggml import QType
+
+
+def metadata_of(path: Path) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
+    """Every key of a GGUF file as ``(key, value, type, array element type)`` (general.architecture
+    and the split keys excepted: the writer adds them)."""
+    out = []
+    for key, field in GGUFReader(path).fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key.startswith("split."):
+            continue
+        sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        out.append((key, field.contents(), field.types[0], sub))
+    return out
+
+
+def write_gguf(path: Path, arch: str, metadata, tensors: dict[str, tuple[np.ndarray, QType]],
+               split_max_tensors: int = 0) -> Path:
+    """Write ``tensors`` (name -> (numpy-order array, type)) to ``path``; returns the first file.
+
+    A float array with a block type is quantized by gguf; a ``uint8`` array with a block type is
+    taken as its raw blocks ``[*shape[:-1], row_bytes]``; F32 / F16 arrays are written as they are,
+    BF16 through gguf's converter.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    for key, value, vtype, sub in metadata:
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for name, (array, qtype) in tensors.items():
+        if qtype in (QType.F32, QType.F16):
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32 if qtype == QType.F32 else np.float16))
+        elif array.dtype == np.uint8:
+            writer.add_tensor(name, np.ascontiguousarray(array), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, gq.quantize(np.asarray(array, np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return writer.format_shard_names(Path(path))[0]

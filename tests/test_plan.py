@@ -1,0 +1,110 @@
+"""The memory planner: inventories checked against real GGUF files, the UD-IQ3_XXS expert bytes of
+GLM-5.3-Flash (REFERENCE.md section 3), and the Plan API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import zoo
+from zoo import registry
+from zoo.config import config_from_hf
+from zoo.quant.gguf import GGUFSource
+from zoo.quant.gguf_model import config_from_gguf
+from zoo.quant.plan import INVENTORIES, plan_config
+
+DATA = Path(__file__).parent / "data"
+
+# GLM-5.3-Flash as REFERENCE.md section 1 describes it (transformers' glm5_next defaults), with
+# its MTP layer; zoo.plan("glm53-flash") reads the same from configs/glm53-flash.json once it exists.
+GLM53_FLASH = {"model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096,
+               "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 45,
+               "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 288,
+               "num_experts_per_tok": 8, "n_shared_experts": 1, "num_nextn_predict_layers": 1}
+# The two llama.cpp GLM fixtures, as configs (read off their GGUF metadata).
+GLM_FIXTURES = {
+    "glm53-q256-udmix.gguf": dict(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=64, v_head_dim=64,
+        index_n_heads=8, index_head_dim=64, index_kpool=4, index_topk=16, linear_num_heads=4, linear_head_dim=64,
+        n_routed_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], indexer_types=["full", "full", "shared", "full"]),
+    "glm53-tiny-mtp-f32.gguf": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
+        num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+        index_n_heads=8, index_head_dim=16, index_kpool=4, index_topk=16, linear_num_heads=4, linear_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, num_nextn_predict_layers=1,
+        layer_types=["linear_attention"] * 3 + ["indexed_attention"] * 2 + ["linear_attention"] * 2
+        + ["indexed_attention"], mlp_layer_types=["dense"] + ["sparse"] * 7,
+        indexer_types=["full"] * 4 + ["shared"] + ["full"] * 3),
+}
+ROUTED_EXPERT_BYTES = 109_867_696_128          # REFERENCE.md section 3: layers 3-44, UD-IQ3_XXS
+
+
+def shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    src = GGUFSource(path)
+    return {k: src.info(k).shape for k in src.keys()}
+
+
+@pytest.mark.parametrize("name", ["qwen38-q256-udmix.gguf", "qwen38-tiny-mtp-f32.gguf"])
+def test_qwen_inventory_is_exactly_the_files_tensors(name):
+    cfg = config_from_gguf(GGUFSource(DATA / name))
+    assert {t.name: t.shape for t in INVENTORIES["qwen35"](cfg)} == shapes(DATA / name)
+
+
+@pytest.mark.parametrize("name", sorted(GLM_FIXTURES))
+def test_glm_inventory_is_exactly_the_files_tensors(name):
+    """Up to unit dims: llama.cpp writes the KDA convs as ne [4, 1, C] or [4, 1, C, 1] by version."""
+    cfg = config_from_hf({"model_type": "glm5_next_text", **GLM_FIXTURES[name]})
+    squeeze = lambda table: {k: tuple(d for d in v if d != 1) for k, v in table.items()}   # noqa: E731
+    assert squeeze({t.name: t.shape for t in INVENTORIES["glm5next"](cfg)}) == squeeze(shapes(DATA / name))
+
+
+def glm53_plan(quant: str, devices: int = 8):
+    if "glm53-flash" in registry.REGISTRY and registry.preset_path("glm53-flash.json").is_file():
+        return zoo.plan("glm53-flash", quant=quant, devices=devices)
+    return plan_config(config_from_hf(GLM53_FLASH), quant, devices, "glm53-flash")
+
+
+def test_glm53_ud_iq3_xxs_routed_experts_bytes():
+    plan = glm53_plan("UD-IQ3_XXS")
+    assert plan.by_class["routed_experts"] == ROUTED_EXPERT_BYTES
+    kinds = {t.tensor.name: t.kind for t in plan.tensors if t.tensor.cls == "routed_experts"}
+    assert (kinds["blk.11.ffn_up_exps.weight"], kinds["blk.11.ffn_down_exps.weight"]) == ("IQ3_S", "IQ4_XS")
+    assert (kinds["blk.44.ffn_gate_exps.weight"], kinds["blk.44.ffn_down_exps.weight"]) == ("IQ2_S", "IQ4_XS")
+    assert (kinds["blk.3.ffn_gate_exps.weight"], kinds["blk.30.ffn_down_exps.weight"]) == ("IQ2_S", "IQ3_S")
+    assert min(int(k.split(".")[1]) for k in kinds) == 3 and max(int(k.split(".")[1]) for k in kinds) == 44
+    mtp_experts = sum(t.nbytes for t in plan.tensors if t.tensor.cls == "mtp" and "_exps" in t.tensor.name)
+    assert round(mtp_experts / 1e9, 2) == 2.62                           # Q2_K / Q2_K / Q3_K
+    per_chip = sum(t.per_device_bytes for t in plan.tensors if t.tensor.cls == "routed_experts")
+    print(f"UD-IQ3_XXS routed experts: {plan.by_class['routed_experts']:,} B; planes per chip "
+          f"{per_chip:,} B; total {plan.total_bytes:,} B, {plan.per_device_bytes:,} B per chip")
+    assert 13.8e9 < per_chip < 13.9e9                                   # REFERENCE.md section 4: ~13.84 GB
+    assert plan.total_bytes == sum(plan.by_class.values()) and plan.per_device_bytes < plan.total_bytes / 7
+    assert plan.fits(16.9e9) and not plan.fits(per_chip)
+
+
+def test_device_count_and_recipes():
+    one, eight = glm53_plan("bf16", 1), glm53_plan("bf16", 8)
+    assert one.total_bytes == eight.total_bytes == one.per_device_bytes
+    assert eight.per_device_bytes < one.per_device_bytes / 7
+    assert set(one.by_kind) == {"BF16"}
+    q8 = glm53_plan("Q8_0")
+    q8_tensors = {t.tensor.name for t in q8.tensors if t.kind == "Q8_0"}
+    bf16_of_those = sum(t.nbytes for t in one.tensors if t.tensor.name in q8_tensors)
+    assert q8.by_kind["Q8_0"] * 64 == bf16_of_those * 34          # 34 bytes per 32 weights
+    assert q8.total_bytes < 0.6 * one.total_bytes
+
+
+def test_zoo_plan_of_a_registry_model():
+    plan = zoo.plan("qwen38-27b", quant="bf16", devices=8)
+    params = sum(t.nbytes for t in plan.tensors) // 2
+    assert 27.0e9 < params < 27.8e9 and plan.model == "qwen38-27b" and plan.devices == 8
+    assert {"attention", "mlp", "embedding", "output", "mtp"} <= set(plan.by_class)
+    assert "qwen38-27b / bf16 on 8 device(s)" in plan.summary()
+    with pytest.raises(ValueError, match="unknown quantization recipe 'Q1'; known: .*UD-IQ3_XXS"):
+        zoo.plan("qwen38-27b", quant="Q1")
+    with pytest.raises(ValueError, match="devices must be >= 1"):
+        zoo.plan("qwen38-27b", quant="bf16", devices=0)

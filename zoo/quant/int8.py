@@ -1,0 +1,63 @@
+"""int8 weight-only storage: one float32 scale per output channel (``zoo.load(..., quant="int8")``).
+
+``Int8Weight`` holds ``q int8 [..., in, out]`` and ``scale f32 [..., out]`` with ``w ~= q * scale``
+(symmetric, ``scale = max|w| / 127`` over the input axis). It is a pytree, so a parameter can hold it,
+and it registers with ``zoo.quant.matmul`` (linear layers) and ``zoo.quant.moe`` (expert banks
+``[E, in, out]``, one scale per expert and output channel). ``int8_store`` is the storage function
+for ``fill_from_source``: matmul weights (parameters whose name ends in ``kernel``) become
+``Int8Weight``; norms, embeddings, routers, decays and the like stay dense.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from zoo.api import dense_store
+from zoo.quant.matmul import dense_matmul, register_matmul
+from zoo.quant.moe import dense_moe, register_moe
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    q: jax.Array        # int8 [..., in, out]
+    scale: jax.Array    # float32 [..., out]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype) -> jax.Array:
+        return (self.q.astype(jnp.float32) * self.scale[..., None, :]).astype(dtype)
+
+
+def quantize_int8(w: jax.Array) -> Int8Weight:
+    """Symmetric per-output-channel int8 of ``w [..., in, out]`` (computed in f32)."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-2)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(w / scale[..., None, :]), -127, 127).astype(jnp.int8)
+    return Int8Weight(q=q, scale=scale)
+
+
+@register_matmul(Int8Weight)
+def int8_matmul(x: jax.Array, w: Int8Weight, out_dtype) -> jax.Array:
+    return (dense_matmul(x, w.q, jnp.float32) * w.scale).astype(out_dtype)
+
+
+@register_moe(Int8Weight)
+def int8_moe(x, weights, ids, gate_bank, up_bank, down_bank, limit):
+    """Reference: dequantize the banks, then the dense grouped path."""
+    banks = (bank.dequantize(x.dtype) for bank in (gate_bank, up_bank, down_bank))
+    return dense_moe(x, weights, ids, *banks, limit)
+
+
+def int8_store(source, key: str, transform, want: jax.ShapeDtypeStruct, path: str):
+    """``fill_from_source`` storage: ``*kernel`` parameters as ``Int8Weight``, the rest dense."""
+    if not path.rsplit(".", 1)[-1].endswith("kernel"):
+        return dense_store(source, key, transform, want, path)
+    full = dense_store(source, key, transform, jax.ShapeDtypeStruct(want.shape, jnp.float32), path)
+    return quantize_int8(full)
