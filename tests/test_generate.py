@@ -27,7 +27,7 @@ def test_greedy_matches_full_forward_argmax(model):
     gens = model.generate(prompts, max_new_tokens=8)
     for p, g in zip(prompts, gens):
         expected = greedy_by_full_forward(model, p, 8)
-        stop = set(model.generator.eos_token_ids)
+        stop = set(model.generator().eos_token_ids)
         cut = next((i for i, t in enumerate(expected) if t in stop), len(expected))
         assert g.tokens == expected[:cut]
         assert g.finish_reason == ("stop" if cut < 8 else "length")

@@ -36,8 +36,11 @@ def _decay_as_state(g: jax.Array) -> jax.Array:
     return g[..., None, None] if g.ndim == 2 else g[..., None]
 
 
-def recurrent(q, k, v, g, beta, state):
-    """Token-by-token delta rule (see module docstring for shapes). T may be any length >= 1."""
+def recurrent(q, k, v, g, beta, state, all_states: bool = False):
+    """Token-by-token delta rule (see module docstring for shapes). T may be any length >= 1.
+
+    With ``all_states`` the second result is the state after every token, ``[B, T, H, dk, dv]``
+    (what speculative decoding keeps to roll back to the last accepted token)."""
     q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
 
     def step(s, xs):
@@ -45,11 +48,15 @@ def recurrent(q, k, v, g, beta, state):
         s = s * jnp.exp(_decay_as_state(g_t))
         delta = (v_t - _mm("bhk,bhkv->bhv", k_t, s)) * b_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, _mm("bhk,bhkv->bhv", q_t, s)
+        o_t = _mm("bhk,bhkv->bhv", q_t, s)
+        return s, (o_t, s) if all_states else o_t
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
-    return jnp.moveaxis(o, 0, 1), state
+    state, out = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    if all_states:
+        o, states = out
+        return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(out, 0, 1), state
 
 
 def _pairwise_decay(G: jax.Array, per_channel: bool) -> jax.Array:

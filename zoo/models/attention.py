@@ -64,6 +64,18 @@ def advance_slots(meta: dict, mask: jax.Array) -> tuple[dict, jax.Array, dict]:
     return dict(write_at=write_at, key_valid=valid, query_slot=query_slot), positions, new_meta
 
 
+def rollback_slots(before: dict, after: dict, n_keep: jax.Array) -> dict:
+    """Slot bookkeeping after keeping only the first ``n_keep [B]`` tokens written since ``before``.
+
+    The kept tokens must be real (mask 1) and the prefix of what was written; later slots are
+    marked invalid and will be overwritten by the next call.
+    """
+    index = before["index"] + n_keep
+    slot_ids = jnp.arange(after["valid"].shape[1])
+    return {"index": index, "pos": before["pos"] + n_keep,
+            "valid": after["valid"] & (slot_ids[None, :] < index[:, None])}
+
+
 def write_slots(buf: jax.Array, new: jax.Array, write_at: jax.Array) -> jax.Array:
     """Write ``new [B, T, ...]`` into ``buf [B, L, ...]`` at per-row slot ``write_at [B]``."""
     def one(b, n, i):

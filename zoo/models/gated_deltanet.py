@@ -9,6 +9,8 @@ x [B, T, D] ->
 
 Cache (one per layer): ``{"conv": [B, K-1, conv_dim], "state": [B, nv, dk, dv] f32}``.
 Padding positions (``mask == 0``) enter as zeros, which leaves both states untouched.
+With ``keep_steps`` (speculative verify) the returned cache holds the states after *every* token,
+``{"conv": [B, T, K-1, conv_dim], "state": [B, T, nv, dk, dv]}``; ``select_step`` picks one per row.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.kernels import linear_attention
-from zoo.models.layers import GatedRMSNorm, Linear, causal_depthwise_conv, param
+from zoo.models.layers import (GatedRMSNorm, Linear, causal_depthwise_conv, conv_state_steps, param,
+                               take_step)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -46,11 +49,18 @@ class GatedDeltaNet(nnx.Module):
             "state": jnp.zeros((batch, self.nv, self.dk, self.dv), jnp.float32),
         }
 
-    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    @staticmethod
+    def select_step(steps: dict, idx: jax.Array) -> dict:
+        """A ``keep_steps`` cache -> the plain cache after token ``idx[b]`` of each row b."""
+        return {"conv": take_step(steps["conv"], idx), "state": take_step(steps["state"], idx)}
+
+    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict, keep_steps: bool = False
+                 ) -> tuple[jax.Array, dict]:
         """x [B, T, D], mask [B, T] (1 = token, 0 = padding) -> (y [B, T, D], new cache)."""
         b, t, _ = x.shape
         x = jnp.where(mask[..., None], x, 0).astype(x.dtype)
-        qkv, conv_state = causal_depthwise_conv(self.in_proj_qkv(x), cache["conv"], self.conv_weight[...])
+        mixed = self.in_proj_qkv(x)
+        qkv, conv_state = causal_depthwise_conv(mixed, cache["conv"], self.conv_weight[...])
         qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
         q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         rep = self.nv // self.nk
@@ -62,7 +72,11 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...])
         q = linear_attention.l2_normalize(q) * (self.dk ** -0.5)
         k = linear_attention.l2_normalize(k)
-        o, state = linear_attention.delta_rule(q, k, v, g, beta, cache["state"])
+        if keep_steps:
+            o, state = linear_attention.recurrent(q, k, v, g, beta, cache["state"], all_states=True)
+            conv_state = conv_state_steps(cache["conv"], mixed)
+        else:
+            o, state = linear_attention.delta_rule(q, k, v, g, beta, cache["state"])
         z = self.in_proj_z(x).reshape(b, t, self.nv, self.dv)
         o = self.norm(o.astype(x.dtype), z).reshape(b, t, self.value_dim)
         return self.out_proj(o), {"conv": conv_state, "state": state}

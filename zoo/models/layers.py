@@ -67,6 +67,22 @@ class GatedRMSNorm(nnx.Module):
         return (out.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
+class LayerNorm(nnx.Module):
+    """``w * (x - mean) / sqrt(var + eps) + b`` over the last axis (statistics in f32, result in x's dtype)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, axes=("embed",)):
+        self.eps = eps
+        self.weight = param((dim,), axes, dtype, 1.0)
+        self.bias = param((dim,), axes, dtype, 0.0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        normed = ((xf - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return normed * self.weight[...].astype(x.dtype) + self.bias[...].astype(x.dtype)
+
+
 class Linear(nnx.Module):
     """``y = x @ W (+ b)`` with ``W [in, out]``; quantized weights dispatch in ``zoo.quant.matmul``."""
 
@@ -143,3 +159,17 @@ def causal_depthwise_conv(x: jax.Array, state: jax.Array, weight: jax.Array) -> 
     w = weight.astype(jnp.float32)
     acc = sum(full[:, j:j + t, :].astype(jnp.float32) * w[j] for j in range(k))
     return acc.astype(x.dtype), full[:, t:, :]
+
+
+def conv_state_steps(state: jax.Array, x: jax.Array) -> jax.Array:
+    """The conv state after each of the T inputs: ``[B, T, K-1, C]`` from state ``[B, K-1, C]`` and
+    x ``[B, T, C]`` (entry t equals the state ``causal_depthwise_conv`` returns after x[:, :t+1])."""
+    k1, t = state.shape[1], x.shape[1]
+    full = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+    return jnp.stack([full[:, i + 1:i + 1 + k1] for i in range(t)], axis=1)
+
+
+def take_step(steps: jax.Array, idx: jax.Array) -> jax.Array:
+    """Row b of ``steps [B, T, ...]`` at step ``idx[b]`` -> ``[B, ...]`` (idx clipped to [0, T))."""
+    idx = jnp.clip(idx, 0, steps.shape[1] - 1)
+    return jnp.take_along_axis(steps, idx.reshape((-1, 1) + (1,) * (steps.ndim - 2)), axis=1)[:, 0]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.config import Qwen38Config
-from zoo.models.attention import GatedAttention, Slots, advance_slots, empty_slot_meta
+from zoo.models.attention import GatedAttention, Slots, advance_slots, empty_slot_meta, rollback_slots
 from zoo.models.gated_deltanet import GatedDeltaNet
 from zoo.models.layers import Embed, Linear, RMSNorm, SwiGLU, rotary_tables
 from zoo.models.mtp import MTPHead
@@ -43,10 +43,13 @@ class DecoderLayer(nnx.Module):
             return self.linear_attn.init_cache(batch)
         return self.self_attn.init_cache(batch, length)
 
-    def __call__(self, x, mask, slots: Slots, cache):
+    def select_step(self, cache, idx):
+        return GatedDeltaNet.select_step(cache, idx) if self.layer_type == "linear_attention" else cache
+
+    def __call__(self, x, mask, slots: Slots, cache, keep_steps: bool = False):
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            h, cache = self.linear_attn(h, mask, cache)
+            h, cache = self.linear_attn(h, mask, cache, keep_steps)
         else:
             h, cache = self.self_attn(h, slots, cache)
         x = x + h
@@ -91,17 +94,29 @@ class Qwen38(nnx.Module):
         w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel.get_value()
         return matmul(hidden.astype(self.dtype), w, out_dtype=jnp.float32)
 
-    def __call__(self, ids: jax.Array, mask: jax.Array, cache: dict):
-        """ids, mask [B, T] -> (logits f32 [B, T, V], post-norm hidden [B, T, D], new cache)."""
+    def __call__(self, ids: jax.Array, mask: jax.Array, cache: dict, keep_steps: bool = False):
+        """ids, mask [B, T] -> (logits f32 [B, T, V], post-norm hidden [B, T, D], new cache).
+
+        ``keep_steps``: recurrent layers keep their state after every token (see ``rollback``)."""
         mask = mask.astype(bool)
         slots, meta = self._slots(cache["slots"], mask)
         x = self.embed_tokens(ids)
         new_layers = []
         for layer, layer_cache in zip(self.layers, cache["layers"]):
-            x, layer_cache = layer(x, mask, slots, layer_cache)
+            x, layer_cache = layer(x, mask, slots, layer_cache, keep_steps)
             new_layers.append(layer_cache)
         hidden = self.norm(x)
         return self.head(hidden), hidden, {**cache, "slots": meta, "layers": new_layers}
+
+    def rollback(self, cache: dict, before: dict, n_keep: jax.Array) -> dict:
+        """Keep only the first ``n_keep[b]`` tokens of the last ``keep_steps`` call of each row.
+
+        cache: the cache that call returned; before: its ``cache["slots"]`` as the call received it.
+        Attention slots past the kept tokens become invalid (overwritten later); recurrent layers
+        take their state after the last kept token.
+        """
+        layers = [layer.select_step(c, n_keep - 1) for layer, c in zip(self.layers, cache["layers"])]
+        return {**cache, "slots": rollback_slots(before, cache["slots"], n_keep), "layers": layers}
 
     def mtp_forward(self, hidden: jax.Array, next_ids: jax.Array, mask: jax.Array, cache: dict):
         """MTP rows: hidden [B, T, D] (post-norm h_t), next_ids [B, T] (x_{t+1}), mask [B, T]

@@ -1,154 +1,374 @@
-"""Generator: jitted prefill and decode over a loaded model, with on-device sampling.
+"""Generator: continuous batching over a loaded model, plain or MTP-speculative decoding.
 
-    prefill  prompts left-padded to a bucketed length (multiples of ``PREFILL_BUCKET``), one compiled
-             program per (batch, bucket, cache length); returns the cache and the first token
-    decode   one compiled program per step for the whole model; the cache is donated
+Requests join and leave between steps. Device state is one *batch* pytree whose leaves all lead
+with the row axis ``[B, ...]``::
 
-The cache length is the bucketed prompt length plus ``max_new_tokens``, rounded up to
-``CACHE_BUCKET``, so a request never outgrows its cache. Continuous batching and speculative
-decoding build on this (see the engine issue).
+    cache   the model's cache for B rows and L token slots (KV slots + recurrent states)
+    carry   plain: {"tok": [B]} the last sampled token, not yet fed to the model
+            spec:  {"h": [B, k+1, D], "tok": [B, k+1], "n": [B]} pending MTP rows
+    params  per-row sampling parameters and PRNG state: temperature, top_k, top_p, seed, step
+
+A step is ONE compiled program for the whole model (``_plain_step`` / ``speculative.spec_step``);
+the cache is donated. A new request is prefilled alone (chunks of at most ``PREFILL_CHUNK`` tokens,
+left-padded to a power-of-two bucket: a few bounded compilations) into a cache of the batch's
+length, then inserted into a free row. The batch grows (rows doubling from ``MIN_ROWS`` up to ``max_batch``,
+slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_budget`` allows;
+otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import os
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zoo.serving import speculative
 from zoo.serving.sampling import sample
 
-PREFILL_BUCKET = 16
-CACHE_BUCKET = 64
+PREFILL_CHUNK = 1024
+PREFILL_MIN = 16
+CACHE_BUCKET = 256
+MIN_ROWS = 4          # the batch starts with this many rows (fewer compilations as streams join)
 
 
 @dataclass
 class Generation:
     tokens: list[int]
-    finish_reason: str                     # "stop" (stop token / string) or "length"
+    finish_reason: str                     # "stop", "length", "cancelled" or "error" (see stats["error"])
     stats: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request; the engine fills ``tokens``/``finish_reason``/``stats``."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_ids: frozenset = frozenset()
+    stop_strings: tuple = ()
+    on_tokens: Callable[["Request", list[int]], None] | None = None   # called from the engine thread
+    on_finish: Callable[["Request"], None] | None = None   # called once from the engine thread, after done
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def result(self) -> Generation:
+        return Generation(list(self.tokens), self.finish_reason or "length", dict(self.stats))
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _prefill(graphdef, cache_len, state, ids, mask):
-    model = nnx.merge(graphdef, state)
-    logits, _, cache = model(ids, mask, model.init_cache(ids.shape[0], cache_len))
-    return logits[:, -1], cache
+def _bucket(n: int) -> int:
+    """Power-of-two prefill bucket, at least PREFILL_MIN."""
+    return max(PREFILL_MIN, 1 << (n - 1).bit_length())
 
 
-def _decode(graphdef, state, tokens, cache):
-    model = nnx.merge(graphdef, state)
-    logits, _, cache = model(tokens[:, None], jnp.ones(tokens.shape + (1,), bool), cache)
-    return logits[:, -1], cache
+def default_memory_budget() -> int:
+    """Bytes the caches may use: 80% of the free accelerator memory, or a quarter of host RAM."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _embed(old, new):
+    """Copy every leaf of ``old`` into the leading corner of the same leaf of ``new``."""
+    return jax.tree.map(lambda o, n: n.at[tuple(slice(0, d) for d in o.shape)].set(o.astype(n.dtype)), old, new)
+
+
+def _row_keys(params: dict) -> jax.Array:
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params["seed"], params["step"])
 
 
 class Generator:
-    def __init__(self, model):
+    """Continuous-batching engine over ``model`` (a ``zoo.Model``); ``spec_tokens`` k > 0 drafts k
+    tokens per step with the model's MTP head."""
+
+    def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, memory_budget: int | None = None):
+        if spec_tokens and getattr(model.module, "mtp", None) is None:
+            raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
+        self.k = int(spec_tokens)
+        self.max_batch = max_batch
+        self.memory_budget = memory_budget or default_memory_budget()
         self._graphdef, self._state = nnx.split(model.module)
-        self._prefill = {}
-        self._decode = jax.jit(functools.partial(_decode, self._graphdef), donate_argnums=(2,))
-        self._sample = jax.jit(sample)
         eos = set(getattr(model.config, "eos_token_id", ()) or ())
         if model.tokenizer is not None:
             eos |= set(model.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._rows: list[Request | None] = []
+        self._batch = None
+        self._B = self._L = 0
+        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(5,))
+        self._insert_fn = jax.jit(lambda batch, row, r: jax.tree.map(
+            lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row),
+            donate_argnums=(0,))
+        self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
+        self._grow_fn = jax.jit(_embed, donate_argnums=(1,))
 
-    def _prefill_fn(self, cache_len: int):
-        if cache_len not in self._prefill:
-            self._prefill[cache_len] = jax.jit(functools.partial(_prefill, self._graphdef, cache_len))
-        return self._prefill[cache_len]
+    # -- device programs ----------------------------------------------------------------------
+    def _empty_impl(self, rows: int, length: int) -> dict:
+        model = nnx.merge(self._graphdef, self._state)
+        cache = model.init_cache(rows, length)
+        if not self.k:
+            cache.pop("mtp", None)
+        d = model.config.hidden_size
+        carry = ({"h": jnp.zeros((rows, self.k + 1, d), model.dtype), "tok": jnp.zeros((rows, self.k + 1), jnp.int32),
+                  "n": jnp.ones((rows,), jnp.int32)} if self.k else {"tok": jnp.zeros((rows,), jnp.int32)})
+        params = {"temperature": jnp.zeros((rows,), jnp.float32), "top_k": jnp.zeros((rows,), jnp.int32),
+                  "top_p": jnp.ones((rows,), jnp.float32), "seed": jnp.zeros((rows,), jnp.uint32),
+                  "step": jnp.zeros((rows,), jnp.int32)}
+        return {"cache": cache, "carry": carry, "params": params}
 
-    def _split_stop(self, stop) -> tuple[set[int], list[str]]:
-        stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
-        ids = {s for s in stop if isinstance(s, int)} | set(self.eos_token_ids)
-        strings = [s for s in stop if isinstance(s, str)]
-        if strings and self.model.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
-        return ids, strings
+    def _prefill_impl(self, state, ids, mask, next_ids, next_mask, cache):
+        """One prompt chunk [1, C]; with spec, also the MTP rows (h_t, x_{t+1}) of the chunk."""
+        model = nnx.merge(self._graphdef, state)
+        logits, hidden, cache = model(ids, mask, cache)
+        if self.k:
+            _, _, cache = model.mtp_forward(hidden, next_ids, next_mask, cache)
+        return logits[:, -1], hidden[:, -1], cache
 
-    def _steps(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature, top_p, top_k,
-               seed) -> Iterator[np.ndarray]:
-        """Yield the sampled tokens [B] of each step (the first comes from the prefill)."""
-        b = len(prompts)
-        plen = _round_up(max(len(p) for p in prompts), PREFILL_BUCKET)
-        ids = np.zeros((b, plen), np.int32)
-        mask = np.zeros((b, plen), bool)
-        for i, p in enumerate(prompts):
-            ids[i, plen - len(p):] = p
-            mask[i, plen - len(p):] = True
-        cache_len = _round_up(plen + max_new_tokens, CACHE_BUCKET)
-        per_row = lambda x, dt: jnp.asarray(np.broadcast_to(np.asarray(x, dt), (b,)))
-        temp, tp, tk = per_row(temperature, np.float32), per_row(top_p, np.float32), per_row(top_k, np.int32)
-        keys = jax.vmap(jax.random.key)(per_row(seed, np.uint32))
-        logits, cache = self._prefill_fn(cache_len)(self._state, jnp.asarray(ids), jnp.asarray(mask))
-        for step in range(max_new_tokens):
-            step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-            tokens = self._sample(logits, step_keys, temp, tk, tp)
-            yield np.asarray(tokens)
-            if step + 1 < max_new_tokens:
-                logits, cache = self._decode(self._state, tokens, cache)
+    def _step_impl(self, state, batch, active):
+        model = nnx.merge(self._graphdef, state)
+        cache, carry, params = batch["cache"], batch["carry"], batch["params"]
+        keys = _row_keys(params)
+        if self.k:
+            cache, carry, tokens, n = speculative.spec_step(model, cache, carry, active, keys, params, self.k)
+        else:
+            tok = carry["tok"]
+            logits, _, cache = model(tok[:, None], active[:, None], cache)
+            new = sample(logits[:, 0], keys, params["temperature"], params["top_k"], params["top_p"])
+            carry = {"tok": jnp.where(active, new, tok)}
+            tokens, n = new[:, None], active.astype(jnp.int32)
+        params = {**params, "step": params["step"] + active.astype(jnp.int32)}
+        return {"cache": cache, "carry": carry, "params": params}, tokens, n
 
-    def generate(self, input_ids, *, max_new_tokens: int, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-                 stop=None, spec_tokens: int = 0) -> list[Generation]:
-        if spec_tokens:
-            raise NotImplementedError("speculative decoding (spec_tokens > 0) is not implemented yet")
-        prompts = [list(map(int, p)) for p in input_ids]
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        stop_ids, stop_strings = self._split_stop(stop)
-        out = [Generation([], "length") for _ in prompts]
-        done = [False] * len(prompts)
+    # -- admission ----------------------------------------------------------------------------
+    def cache_bytes(self, rows: int, length: int) -> int:
+        shapes = jax.eval_shape(lambda: self._empty_impl(rows, length))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    def _need(self, req: Request) -> int:
+        """Token slots a request occupies: its padded prompt, its new tokens, the verify overshoot."""
+        n = len(req.prompt)
+        padded = _round_up(n, PREFILL_CHUNK) if n > PREFILL_CHUNK else _bucket(n)
+        return padded + req.max_new_tokens + self.k + 1
+
+    def _try_admit(self, req: Request) -> bool:
+        free = [i for i, r in enumerate(self._rows) if r is None]
+        rows = self._B if free else min(max(MIN_ROWS, 2 * self._B), self.max_batch)
+        length = max(self._L, _round_up(self._need(req), CACHE_BUCKET))
+        if not free and rows == self._B:
+            return False
+        if self.cache_bytes(rows, length) > self.memory_budget:
+            if any(self._rows):
+                return False
+            raise MemoryError(f"request needs {self.cache_bytes(1, length)} bytes of cache for "
+                              f"{length} slots; the budget is {self.memory_budget}")
+        if (rows, length) != (self._B, self._L):
+            empty = self._empty_fn(rows, length)
+            self._batch = empty if self._batch is None else self._grow_fn(self._batch, empty)
+            self._rows += [None] * (rows - self._B)
+            self._B, self._L = rows, length
+        r = self._rows.index(None)
+        self._rows[r] = req
+        self._prefill_into(req, r)
+        return True
+
+    def _prefill_into(self, req: Request, r: int) -> None:
         t0 = time.perf_counter()
-        t_first = None
-        for tokens in self._steps(prompts, max_new_tokens, temperature, top_p, top_k, seed):
-            t_first = t_first or time.perf_counter()
-            for i, tok in enumerate(tokens.tolist()):
-                if done[i]:
-                    continue
-                if tok in stop_ids:
-                    done[i], out[i].finish_reason = True, "stop"
-                    continue
-                out[i].tokens.append(tok)
-                if stop_strings and self._hit_stop_string(out[i], stop_strings):
-                    done[i] = True
-            if all(done):
-                break
-        elapsed = time.perf_counter() - t0
-        for g, p in zip(out, prompts):
-            g.stats = {"prompt_tokens": len(p), "generated_tokens": len(g.tokens),
-                       "seconds": elapsed, "time_to_first_token": (t_first or t0) - t0,
-                       "drafted": 0, "accepted": 0}
-        return out
+        n = len(req.prompt)
+        total = _round_up(n, PREFILL_CHUNK) if n > PREFILL_CHUNK else _bucket(n)
+        ids = np.zeros((1, total + 1), np.int32)
+        mask = np.zeros((1, total + 1), bool)
+        ids[0, total - n:total], mask[0, total - n:total] = req.prompt, True
+        row = self._empty_fn(1, self._L)
+        cache = row["cache"]
+        for c in range(0, total, min(total, PREFILL_CHUNK)):
+            sl = slice(c, c + min(total, PREFILL_CHUNK))
+            nxt = slice(sl.start + 1, sl.stop + 1)
+            logits, h_last, cache = self._prefill_fn(self._state, ids[:, sl], mask[:, sl], ids[:, nxt],
+                                                     mask[:, sl] & mask[:, nxt], cache)
+        params = {"temperature": jnp.float32([req.temperature]), "top_k": jnp.int32([req.top_k]),
+                  "top_p": jnp.float32([req.top_p]), "seed": jnp.uint32([req.seed & 0xFFFFFFFF]),
+                  "step": jnp.int32([1])}
+        first = sample(logits, _row_keys({**params, "step": jnp.int32([0])}), params["temperature"],
+                       params["top_k"], params["top_p"])
+        if self.k:
+            h = jnp.zeros((1, self.k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+            tok = jnp.zeros((1, self.k + 1), jnp.int32).at[:, 0].set(first)
+            carry = {"h": h, "tok": tok, "n": jnp.ones((1,), jnp.int32)}
+        else:
+            carry = {"tok": first}
+        self._batch = self._insert_fn(self._batch, {"cache": cache, "carry": carry, "params": params}, r)
+        req.stats.update(prompt_tokens=n, drafted=0, accepted=0, accepted_by_position=[0] * self.k,
+                         steps=0, time_to_first_token=time.perf_counter() - t0)
+        self._deliver(req, [int(first[0])])
 
-    def _hit_stop_string(self, g: Generation, stop_strings: list[str]) -> bool:
-        """Truncate ``g`` at the first stop string in its text; True if one was found."""
-        text = self.model.tokenizer.decode(g.tokens)
-        hits = [text.find(s) for s in stop_strings if s in text]
+    # -- stepping -----------------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        if not req.prompt:
+            raise ValueError("a request needs at least one prompt token")
+        if req.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        req.stats.setdefault("submitted", time.perf_counter())
+        with self._lock:
+            self._waiting.append(req)
+        self._wakeup.set()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Ask the engine to stop ``req`` (thread-safe); it finishes as "cancelled" at the next step
+        and its row is freed."""
+        req.cancelled = True
+        self._wakeup.set()
+
+    def run_forever(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """The engine thread's loop: step while there is work, sleep until a submit otherwise."""
+        while not stop.is_set():
+            if not self.step():
+                self._wakeup.wait(idle_wait)
+                self._wakeup.clear()
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(self._rows)
+
+    def step(self) -> bool:
+        """Admit waiting requests, then run one decode step for every active row. False if idle."""
+        for r, req in enumerate(self._rows):
+            if req is not None and req.cancelled:
+                self._finish(req, "cancelled")
+        while self._waiting:
+            with self._lock:
+                req = self._waiting[0]
+            if req.cancelled:
+                self._finish(self._waiting.popleft(), "cancelled")
+                continue
+            try:
+                admitted = self._try_admit(req)
+            except MemoryError as e:               # can never fit: fail this request, not the engine
+                req.stats["error"] = str(e)
+                with self._lock:
+                    self._waiting.popleft()
+                self._finish(req, "error")
+                continue
+            if not admitted:
+                break
+            with self._lock:
+                self._waiting.popleft()
+        active = np.array([r is not None for r in self._rows], bool)
+        if not active.any():
+            return bool(self._waiting)
+        self._batch, tokens, counts = self._step_fn(self._state, self._batch, jnp.asarray(active))
+        tokens, counts = np.asarray(tokens), np.asarray(counts)
+        for r, req in enumerate(self._rows):
+            if req is None:
+                continue
+            n = int(counts[r])
+            req.stats["steps"] += 1
+            if self.k:
+                req.stats["drafted"] += self.k
+                req.stats["accepted"] += n - 1
+                for i in range(n - 1):
+                    req.stats["accepted_by_position"][i] += 1
+            self._deliver(req, tokens[r, :n].tolist())
+        return True
+
+    def _deliver(self, req: Request, new: list[int]) -> None:
+        """Append sampled tokens, applying stop ids, stop strings and the length limit."""
+        if req.finish_reason is not None:
+            return
+        accepted = []
+        for tok in new:
+            if tok in req.stop_ids:
+                self._emit(req, accepted)
+                return self._finish(req, "stop")
+            accepted.append(tok)
+            if len(req.tokens) + len(accepted) >= req.max_new_tokens:
+                break
+        self._emit(req, accepted)
+        if req.stop_strings and self._cut_at_stop_string(req):
+            return self._finish(req, "stop")
+        if len(req.tokens) >= req.max_new_tokens:
+            self._finish(req, "length")
+
+    def _emit(self, req: Request, tokens: list[int]) -> None:
+        if tokens:
+            req.tokens.extend(tokens)
+            if req.on_tokens is not None:
+                req.on_tokens(req, tokens)
+
+    def _cut_at_stop_string(self, req: Request) -> bool:
+        tok = self.model.tokenizer
+        text = tok.decode(req.tokens)
+        hits = [text.find(s) for s in req.stop_strings if s in text]
         if not hits:
             return False
         cut = min(hits)
-        while g.tokens and len(self.model.tokenizer.decode(g.tokens)) > cut:
-            g.tokens.pop()
-        g.finish_reason = "stop"
+        while req.tokens and len(tok.decode(req.tokens)) > cut:
+            req.tokens.pop()
         return True
 
-    def stream(self, input_ids: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
-               top_k=0, seed=0, stop=None) -> Iterator[int]:
-        """Tokens of one prompt as they are sampled (stop tokens end the stream, unreported)."""
-        stop_ids, _ = self._split_stop([s for s in (stop or []) if isinstance(s, int)] if stop else None)
-        for tokens in self._steps([list(map(int, input_ids))], max_new_tokens, temperature, top_p, top_k, seed):
-            tok = int(tokens[0])
-            if tok in stop_ids:
-                return
-            yield tok
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        if req in self._rows:
+            self._rows[self._rows.index(req)] = None
+        now = time.perf_counter()
+        req.stats.update(generated_tokens=len(req.tokens), seconds=now - req.stats.get("submitted", now))
+        first = not req.done.is_set()
+        req.done.set()
+        if first and req.on_finish is not None:
+            req.on_finish(req)
+
+    # -- Python API ---------------------------------------------------------------------------
+    def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
+                     top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None) -> Request:
+        stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
+        strings = tuple(s for s in stop if isinstance(s, str))
+        if strings and self.model.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        ids = frozenset(int(s) for s in stop if not isinstance(s, str)) | self.eos_token_ids
+        return Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
+                       int(top_k), int(seed), ids, strings, on_tokens, on_finish)
+
+    def generate(self, input_ids, **kwargs) -> list[Generation]:
+        reqs = [self.submit(self.make_request(p, **kwargs)) for p in input_ids]
+        if not reqs:
+            raise ValueError("no prompts given")
+        while not all(r.done.is_set() for r in reqs):
+            self.step()
+        return [r.result() for r in reqs]
+
+    def stream(self, prompt: Sequence[int], **kwargs) -> Iterator[int]:
+        out: collections.deque[int] = collections.deque()
+        req = self.submit(self.make_request(prompt, on_tokens=lambda _, toks: out.extend(toks), **kwargs))
+        try:
+            while not req.done.is_set() or out:
+                while out:
+                    yield out.popleft()
+                if not req.done.is_set():
+                    self.step()
+        finally:
+            self.cancel(req)

@@ -1,9 +1,13 @@
-"""On-device token sampling: greedy, temperature, top-k, top-p, with a seed per row.
+"""On-device token sampling: greedy, temperature, top-k, top-p, with a PRNG key per row.
 
-``sample(logits [B, V] f32, keys [B] (typed PRNG keys), temperature [B], top_k [B], top_p [B])
--> tokens [B] int32``. A row with ``temperature == 0`` takes the argmax; ``top_k == 0`` and
-``top_p >= 1`` disable those filters. Everything is jit-able; the parameters are arrays, so one
-compiled program serves any mix of requests.
+    probs(logits [B, ..., V], temperature [B], top_k [B], top_p [B]) -> the sampling distribution
+    draw(keys [B], p [B, V], greedy [B]) -> tokens [B]
+    sample(logits [B, V], keys [B], temperature [B], top_k [B], top_p [B]) -> tokens [B] int32
+
+A row with ``temperature == 0`` takes the argmax; ``top_k == 0`` and ``top_p >= 1`` disable those
+filters. Keys are per row (derived from the request's seed and its own step count), so a request's
+samples do not depend on which other requests share its batch. Everything is jit-able; the
+parameters are arrays, so one compiled program serves any mix of requests.
 """
 
 from __future__ import annotations
@@ -13,26 +17,41 @@ import jax.numpy as jnp
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Set logits outside the top-k / nucleus (top-p) sets to -inf. logits [B, V]."""
+    """Set logits outside the top-k / nucleus (top-p) sets to -inf. logits [B, V]; top_k, top_p [B]."""
     v = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
     logits = jnp.where(logits < kth, -jnp.inf, logits)
-    probs = jax.nn.softmax(-jnp.sort(-logits, axis=-1), axis=-1)
-    cum_before = jnp.cumsum(probs, axis=-1) - probs          # mass strictly above each sorted entry
-    keep_sorted = cum_before < top_p[:, None]                  # the first entry is always kept
-    n_keep = jnp.maximum(keep_sorted.sum(axis=-1), 1)
-    sorted_after_k = -jnp.sort(-logits, axis=-1)
-    threshold = jnp.take_along_axis(sorted_after_k, (n_keep - 1)[:, None], axis=-1)
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    p = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(p, axis=-1) - p                      # mass strictly above each entry
+    n_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
+    threshold = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
     return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The sampling distribution of ``logits [B, ..., V]`` under per-row params ``[B]`` (float32)."""
+    shape = logits.shape
+    b, v = shape[0], shape[-1]
+    flat = logits.reshape(b, -1, v).astype(jnp.float32)
+    flat = flat / jnp.where(temperature > 0, temperature, 1.0)[:, None, None]
+    rep = flat.shape[1]
+    filtered = jax.lax.cond(   # the sorts over the vocabulary only run when some row filters
+        jnp.any((top_k > 0) | (top_p < 1.0)),
+        lambda: jax.vmap(lambda l, k, p: filter_logits(l, jnp.full((rep,), k), jnp.full((rep,), p)))(
+            flat, top_k, top_p),
+        lambda: flat)
+    return jax.nn.softmax(filtered, axis=-1).reshape(shape)
+
+
+def draw(keys: jax.Array, p: jax.Array, greedy: jax.Array) -> jax.Array:
+    """One token per row from ``p [B, V]`` with that row's key (argmax where ``greedy [B]``)."""
+    sampled = jax.vmap(lambda k, row: jax.random.categorical(k, jnp.log(row)))(keys, p)
+    return jnp.where(greedy, jnp.argmax(p, axis=-1), sampled).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array) -> jax.Array:
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    filtered = filter_logits(scaled, top_k, top_p)
-    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return draw(keys, probs(logits, temperature, top_k, top_p), temperature <= 0)

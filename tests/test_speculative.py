@@ -1,0 +1,143 @@
+"""MTP speculative decoding and continuous batching.
+
+- Greedy output with MTP (k = 1, 2, 3) is token-for-token plain greedy decoding, on the embedded
+  tiny model (random MTP: low acceptance, mostly rollbacks) and on a "bigram" variant whose MTP
+  agrees with the model (high acceptance: multi-token accepts and every rollback depth).
+- Streams joining and leaving a running batch get exactly the tokens they get alone.
+- The rejection sampler's output distribution equals the target's (total variation, many draws).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import zoo
+from zoo.api import Model
+from zoo.serving.engine import Generator
+from zoo.serving.speculative import accept
+
+PROMPTS = [[5, 17, 200, 33, 8, 91, 4, 250, 11], [300, 2, 77], [42] * 20, [7, 8, 9, 10, 11, 12]]
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return zoo.load("qwen38-tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def bigram(tiny):
+    """Layers' outputs scaled down and the MTP made to echo its next-token embedding: the model is
+    close to a bigram model and its MTP head predicts what the model will say next."""
+    graphdef, state = nnx.split(nnx.clone(tiny.module))
+    flat = dict(nnx.to_flat_state(state))
+    d = tiny.config.hidden_size
+    for path, var in flat.items():
+        name = ".".join(map(str, path))
+        if any(s in name for s in ("o_proj.kernel", "out_proj.kernel", "down_proj.kernel")):
+            var.set_value(var.get_value() * 0.02)
+    flat[("mtp", "fc", "kernel")].set_value(jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0))
+    flat[("mtp", "embed_norm", "weight")].set_value(jnp.zeros((d,)))
+    flat[("mtp", "final_norm", "weight")].set_value(flat[("norm", "weight")].get_value())
+    module = nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
+    return Model(module, tiny.config, tiny.tokenizer, dict(tiny.load_info))
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tiny, bigram):
+    """Plain greedy decoding of each prompt on its own (the oracle for every other run)."""
+    return {name: [m.generate([p], max_new_tokens=N_NEW)[0] for p in PROMPTS]
+            for name, m in (("tiny", tiny), ("bigram", bigram))}
+
+
+@pytest.mark.parametrize("which", ["tiny", "bigram"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_spec_greedy_equals_plain_greedy(request, plain_runs, which, k):
+    model = request.getfixturevalue(which)
+    plain = plain_runs[which]
+    spec = model.generate(PROMPTS, max_new_tokens=N_NEW, spec_tokens=k)
+    for p, s in zip(plain, spec):
+        assert s.tokens == p.tokens and s.finish_reason == p.finish_reason
+        assert s.stats["drafted"] == k * s.stats["steps"]
+    accepted = sum(s.stats["accepted"] for s in spec) / sum(s.stats["drafted"] for s in spec)
+    print(f"[{which} k={k}] acceptance {accepted:.2f}, tokens/step "
+          f"{sum(len(s.tokens) for s in spec) / sum(s.stats['steps'] + 1 for s in spec):.2f}")
+    if which == "bigram":
+        assert accepted > 0.5, "the bigram model should accept most drafts"
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_streams_joining_and_leaving_match_solo_runs(bigram, plain_runs, k):
+    alone = {i: g.tokens for i, g in enumerate(plain_runs["bigram"])}
+    gen = Generator(bigram, spec_tokens=k, max_batch=4)
+    lengths = [N_NEW, 5, N_NEW, 9]
+    reqs = {0: gen.submit(gen.make_request(PROMPTS[0], max_new_tokens=lengths[0]))}
+    for _ in range(3):
+        gen.step()
+    reqs[1] = gen.submit(gen.make_request(PROMPTS[1], max_new_tokens=lengths[1]))
+    gen.step()
+    reqs[2] = gen.submit(gen.make_request(PROMPTS[2], max_new_tokens=lengths[2]))
+    for _ in range(4):   # request 1 finishes in here and leaves; 3 joins into its freed row
+        gen.step()
+    reqs[3] = gen.submit(gen.make_request(PROMPTS[3], max_new_tokens=lengths[3]))
+    while gen.has_work():
+        gen.step()
+    for i, r in reqs.items():
+        assert r.tokens == alone[i][:lengths[i]], f"stream {i}"
+
+
+def test_spec_respects_stop_tokens(bigram, plain_runs):
+    full = plain_runs["bigram"][0].tokens
+    stop = full[6]
+    first = full.index(stop)
+    spec = bigram.generate([PROMPTS[0]], max_new_tokens=N_NEW, stop=[stop], spec_tokens=3)[0]
+    assert spec.tokens == full[:first] and spec.finish_reason == "stop"
+
+
+def test_sampled_spec_is_reproducible_and_batch_independent(bigram):
+    kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=5)
+    a = bigram.generate([PROMPTS[1]], spec_tokens=2, **kw)[0].tokens
+    b = bigram.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], spec_tokens=2, **kw)[1].tokens
+    assert a == b
+
+
+def tv(samples: np.ndarray, p: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=p.size) / samples.size
+    return 0.5 * float(np.abs(counts - p).sum())
+
+
+def test_rejection_sampler_reproduces_target_distribution():
+    """V = 6, k = 2, fixed target p_0..p_2 and draft q_1, q_2; 200k independent rows."""
+    rng = np.random.default_rng(0)
+    v, k, n = 6, 2, 200_000
+    p = rng.dirichlet(np.ones(v), size=k + 1).astype(np.float32)
+    q = rng.dirichlet(np.ones(v) * 0.5, size=k).astype(np.float32)
+    key_d, key_a = jax.random.split(jax.random.key(0))
+    drafts = jnp.stack([jax.random.categorical(kk, jnp.log(q[i]), shape=(n,))
+                        for i, kk in enumerate(jax.random.split(key_d, k))], axis=1)
+    n_acc, extra = jax.jit(accept)(jax.random.split(key_a, n), jnp.broadcast_to(p, (n, k + 1, v)),
+                                   jnp.broadcast_to(q, (n, k, v)), drafts.astype(jnp.int32),
+                                   jnp.zeros((n,), bool))
+    n_acc, extra, drafts = np.asarray(n_acc), np.asarray(extra), np.asarray(drafts)
+    first = np.where(n_acc >= 1, drafts[:, 0], extra)
+    assert tv(first, p[0]) < 0.01
+    second = np.where(n_acc >= 2, drafts[:, 1], extra)[n_acc >= 1]    # given the first was accepted
+    assert tv(second, p[1]) < 0.01
+    bonus = extra[n_acc == k]
+    assert bonus.size > 1000 and tv(bonus, p[2]) < 0.03
+    # Acceptance rate of draft 1 is sum(min(p, q)).
+    assert abs(np.mean(n_acc >= 1) - np.minimum(p[0], q[0]).sum()) < 0.01
+
+
+def test_greedy_acceptance_is_argmax_equality():
+    p = jnp.asarray([[[0.1, 0.7, 0.2], [0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]])
+    q = jnp.asarray([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+    keys = jax.random.split(jax.random.key(1), 1)
+    n, extra = accept(keys, p, q, jnp.asarray([[1, 0]]), jnp.asarray([True]))
+    assert int(n[0]) == 2 and int(extra[0]) == 2
+    n, extra = accept(keys, p, q, jnp.asarray([[1, 2]]), jnp.asarray([True]))
+    assert int(n[0]) == 1 and int(extra[0]) == 0

@@ -1,0 +1,96 @@
+"""MTP speculative decoding: draft k tokens with the model's MTP head, verify them in one forward of
+k+1 tokens, accept by exact rejection sampling, roll back what the rejected tokens changed.
+
+One decode step (``spec_step``, one compiled program for the whole model)::
+
+    pending rows (h_t, x_{t+1}) -> MTP catch-up; the last row's output is draft 1   (q_1, o_1)
+    chained drafts: MTP(o_{i-1}, d_{i-1}) -> d_i for i = 2..k (provisional MTP rows, dropped after)
+    verify: model([x_m, d_1..d_k]) keeping the recurrent state after every token -> p_0..p_k, h
+    accept: j leading drafts pass ``u * q(d) < p(d)``; extra token from normalize(max(0, p_j - q_j))
+            (or from p_k when all k pass: the bonus); at temperature 0 this is "d_i == argmax p_i"
+    rollback: keep the j+1 tokens [x_m, d_1..d_j]: attention slots beyond become invalid, recurrent
+              layers take the state after token j (``model.rollback``)
+    next pending rows: (h_m, d_1) .. (h_{m+j-1}, d_j), (h_{m+j}, extra)       -- j+1 rows
+
+``accept`` is the sampler on its own (tested for distributional exactness).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zoo.models.attention import rollback_slots
+from zoo.serving.sampling import draw, probs
+
+
+def accept(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array):
+    """Exact rejection sampling.
+
+    keys [B] (one per row); p [B, k+1, V] target distributions at the k+1 verify positions;
+    q [B, k, V] the distributions the drafts were drawn from; drafts [B, k]; greedy [B]
+    (temperature 0: accept iff the draft is the argmax of p).
+    Returns (n_accepted [B] in 0..k, extra token [B]).
+    """
+    b, k = drafts.shape
+    split = jax.vmap(jax.random.split)(keys)                              # [B, 2]
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(split[:, 0])
+    p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    ok = jnp.where(greedy[:, None], drafts == jnp.argmax(p[:, :k], axis=-1), u * q_d < p_d)
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)       # q_k = 0: the bonus is p_k
+    q_j = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_j - q_j, 0.0)
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_j)
+    residual = jnp.where(greedy[:, None], p_j, residual)      # greedy: the argmax of p_j itself
+    return n_acc, draw(split[:, 1], residual, greedy)
+
+
+def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """Row b of x [B, T, ...] at position idx[b] -> [B, ...]."""
+    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Array, params: dict, k: int):
+    """One speculative decode step for every row (see module docstring).
+
+    pending: ``{"h": [B, k+1, D], "tok": [B, k+1] int32, "n": [B] int32}`` rows for the MTP;
+    active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B].
+    Returns (cache, pending, tokens [B, k+1] int32, n_tokens [B] int32 (0 for inactive rows)).
+    """
+    temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
+    greedy = temp <= 0
+    sub = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)           # [B, k+1]
+    rows = (jnp.arange(k + 1)[None, :] < pending["n"][:, None]) & active[:, None]
+    mtp_before = cache["mtp"]["slots"]
+    q_logits, o, cache = model.mtp_forward(pending["h"], pending["tok"], rows, cache)
+    caught_up = rollback_slots(mtp_before, cache["mtp"]["slots"], jnp.where(active, pending["n"], 0))
+    cache = {**cache, "mtp": {**cache["mtp"], "slots": caught_up}}
+    last = jnp.maximum(pending["n"] - 1, 0)
+    q_i, o_i = _at(q_logits, last), _at(o, last)
+    qs, drafts = [], []
+    for i in range(k):
+        if i:
+            q_l, o_l, cache = model.mtp_forward(o_i[:, None], drafts[-1][:, None], active[:, None], cache)
+            q_i, o_i = q_l[:, 0], o_l[:, 0]
+        qs.append(probs(q_i, temp, top_k, top_p))
+        drafts.append(draw(sub[:, i], qs[-1], greedy))
+    cache = {**cache, "mtp": {**cache["mtp"], "slots": caught_up}}    # drop the provisional rows
+    drafts = jnp.stack(drafts, axis=1)                                  # [B, k]
+    x_m = _at(pending["tok"], last)
+    verify_ids = jnp.concatenate([x_m[:, None], drafts], axis=1)
+    before = cache["slots"]
+    p_logits, h, cache = model(verify_ids, jnp.broadcast_to(active[:, None], verify_ids.shape), cache,
+                               keep_steps=True)
+    p = probs(p_logits, temp, top_k, top_p)
+    n_acc, extra = accept(sub[:, k], p, jnp.stack(qs, axis=1), drafts, greedy)
+    n_keep = jnp.where(active, n_acc + 1, 0)
+    cache = model.rollback(cache, before, n_keep)
+    pos = jnp.arange(k + 1)[None, :]
+    drafts_ext = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
+    tokens = jnp.where(pos == n_acc[:, None], extra[:, None], drafts_ext).astype(jnp.int32)
+    pending = {"h": h.astype(pending["h"].dtype), "tok": tokens, "n": n_acc + 1}
+    return cache, pending, tokens, n_keep
