@@ -1,6 +1,6 @@
 """Decode throughput with and without MTP speculation, on the embedded tiny model.
 
-    PYTHONPATH=. .venv/bin/python bench/generate.py [--tokens 128] [--streams 4] [--k 3]
+    PYTHONPATH=. .venv/bin/python bench/generate.py [--model glm53-tiny] [--tokens 128] [--streams 4] [--k 3]
 
 Prints, per configuration: tokens per model step, decode tokens/s, the ratio against plain
 decoding measured in the same run, and the device programs dispatched per decode step. Runs:
@@ -15,26 +15,11 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 import zoo
+from tests.helpers import bigram_variant
 from zoo.api import Model
 from zoo.serving.engine import Generator
-
-
-def bigram_variant(model: Model) -> Model:
-    """Scale the layers' outputs down and make the MTP echo its next-token embedding."""
-    graphdef, state = nnx.split(nnx.clone(model.module))
-    flat = dict(nnx.to_flat_state(state))
-    d = model.config.hidden_size
-    for path, var in flat.items():
-        if path[-2] in ("o_proj", "out_proj", "down_proj"):
-            var.set_value(var.get_value() * 0.02)
-    flat[("mtp", "fc", "kernel")].set_value(jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))]).astype(model.module.dtype))
-    flat[("mtp", "embed_norm", "weight")].set_value(jnp.zeros((d,), model.module.dtype))
-    flat[("mtp", "final_norm", "weight")].set_value(flat[("norm", "weight")].get_value())
-    return Model(nnx.merge(graphdef, nnx.from_flat_state(list(flat.items()))), model.config, model.tokenizer, {})
 
 
 def run(model: Model, k: int, prompts, n_tokens: int) -> dict:
@@ -66,11 +51,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--model", default="qwen38-tiny", choices=["qwen38-tiny", "glm53-tiny"])
     args = ap.parse_args()
-    tiny = zoo.load("qwen38-tiny")
+    tiny = zoo.load(args.model)
     bigram = bigram_variant(tiny)
     prompts = [[(7 * i + j) % 500 for j in range(24)] for i in range(args.streams)]
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.streams} streams x {args.tokens} tokens; k={args.k}")
+    print(f"{args.model}: jax {jax.__version__} on {jax.devices()[0].platform}; {args.streams} streams x {args.tokens} tokens; k={args.k}")
     base = run(tiny, 0, prompts, args.tokens)
     rows = [("plain", base), ("mtp, random head", run(tiny, args.k, prompts, args.tokens)),
             ("mtp, bigram head", run(bigram, args.k, prompts, args.tokens))]

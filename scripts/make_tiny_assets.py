@@ -1,6 +1,7 @@
-"""Write the embedded tiny demo model ``zoo/assets/qwen38-tiny/`` (deterministic; run once, commit).
+"""Write the embedded tiny demo models ``zoo/assets/{qwen38-tiny,glm53-tiny}/`` (deterministic;
+run once, commit). Needs the dev extra (the GLM weights are drawn through transformers' model).
 
-    python scripts/make_tiny_assets.py
+    PYTHONPATH=. .venv/bin/python scripts/make_tiny_assets.py
 
 Produces an HF-layout checkpoint: ``config.json`` (from ``configs/qwen38-tiny.json``),
 ``model.safetensors`` (bf16 random weights with a realistic spread, seeded, HF tensor names
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import ml_dtypes
@@ -21,10 +23,20 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "zoo" / "assets" / "qwen38-tiny"
+ASSETS = ROOT / "zoo" / "assets"
 SEED = 20261130
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+               "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+               "</arg_value>"]
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -85,33 +97,77 @@ def hf_tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return t
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
+def train_tokenizer(vocab_size: int, special: list[str] = SPECIAL) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
     return tok
 
 
-def main() -> None:
-    cfg = json.loads((ROOT / "configs" / "qwen38-tiny.json").read_text())
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    OUT.mkdir(parents=True)
-    tok = train_tokenizer(cfg["vocab_size"])
+def fresh(name: str) -> Path:
+    out = ASSETS / name
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return out
+
+
+def write_tokenizer(out: Path, cfg: dict, special: list[str], eos: str, template: str) -> dict:
+    """Train and save the tokenizer; returns ``cfg`` with its eos/pad ids."""
+    tok = train_tokenizer(cfg["vocab_size"], special)
     assert tok.get_vocab_size() <= cfg["vocab_size"], tok.get_vocab_size()
-    tok.save(str(OUT / "tokenizer.json"))
-    eos = tok.token_to_id("<|im_end|>")
-    cfg.update(eos_token_id=eos, pad_token_id=tok.token_to_id("<|endoftext|>"))
-    (OUT / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (OUT / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-         "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
-    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_tensors(cfg, np.random.default_rng(SEED)).items()}
-    save_file(tensors, str(OUT / "model.safetensors"), metadata={"format": "pt"})
-    print(f"wrote {OUT} ({sum(f.stat().st_size for f in OUT.iterdir()) / 1e6:.2f} MB)")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": eos, "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": template},
+        indent=2) + "\n")
+    return {**cfg, "eos_token_id": tok.token_to_id(eos), "pad_token_id": tok.token_to_id("<|endoftext|>")}
+
+
+def write_weights(out: Path, tensors: dict[str, np.ndarray]) -> None:
+    bf16 = {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    save_file(bf16, str(out / "model.safetensors"), metadata={"format": "pt"})
+    print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB)")
+
+
+def make_qwen() -> None:
+    out = fresh("qwen38-tiny")
+    cfg = json.loads((ROOT / "configs" / "qwen38-tiny.json").read_text())
+    cfg = write_tokenizer(out, cfg, SPECIAL, "<|im_end|>", CHAT_TEMPLATE)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_weights(out, hf_tensors(cfg, np.random.default_rng(SEED)))
+
+
+def make_glm() -> None:
+    """GLM weights drawn through transformers' own model (realistic spread, the real key names),
+    saved as a flat text-only checkpoint plus the MTP layer ``layers.{N}``."""
+    import torch
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from tests import glm_reference as ref
+
+    out = fresh("glm53-tiny")
+    cfg = json.loads((ROOT / "configs" / "glm53-tiny.json").read_text())
+    cfg = write_tokenizer(out, cfg, GLM_SPECIAL, "<|user|>", GLM_CHAT_TEMPLATE)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    text = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(SEED)
+    model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=ref.VISION))
+    ref.redraw_(model, SEED)
+    with tempfile.TemporaryDirectory() as tmp:      # on-disk key names, as save_pretrained writes them
+        model.save_pretrained(tmp)
+        tensors = {k.replace("model.language_model.", "model."): v
+                   for k, v in ref.read_all(Path(tmp)).items() if "visual" not in k}
+    tensors.update({k.replace("model.language_model.", "model."): v
+                    for k, v in ref.mtp_tensors(model.config.text_config, SEED + 1, with_copies=False).items()})
+    write_weights(out, tensors)
+
+
+def main() -> None:
+    make_qwen()
+    make_glm()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
 import os
+import tempfile
 
-# Tests run on the CPU; sharding tests ask for 8 virtual devices themselves.
+# Tests run on the CPU; sharding tests ask for 8 virtual devices in their own subprocesses.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run (both xdist workers, every test module):
+# the tiny models' programs are compiled once, not once per module.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zoo-test-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")

@@ -1,8 +1,9 @@
 """MTP speculative decoding and continuous batching.
 
-- Greedy output with MTP (k = 1, 2, 3) is token-for-token plain greedy decoding, on the embedded
-  tiny model (random MTP: low acceptance, mostly rollbacks) and on a "bigram" variant whose MTP
-  agrees with the model (high acceptance: multi-token accepts and every rollback depth).
+- Greedy output with MTP (k = 1, 2, 3) is token-for-token plain greedy decoding, for both embedded
+  tiny models (Qwen3.8: DeltaNet state; GLM-5.3: KDA state and the indexer's tail pool), as shipped
+  (random MTP: low acceptance, mostly rollbacks) and as "bigram" variants whose MTP agrees with the
+  model (high acceptance: multi-token accepts and every rollback depth, across pool boundaries).
 - Streams joining and leaving a running batch get exactly the tokens they get alone.
 - The rejection sampler's output distribution equals the target's (total variation, many draws).
 """
@@ -13,51 +14,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import zoo
-from zoo.api import Model
-from zoo.serving.engine import Generator
+from zoo.serving.engine import MIN_ROWS
 from zoo.serving.speculative import accept
+from tests.helpers import bigram_variant
 
 PROMPTS = [[5, 17, 200, 33, 8, 91, 4, 250, 11], [300, 2, 77], [42] * 20, [7, 8, 9, 10, 11, 12]]
 N_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return zoo.load("qwen38-tiny", dtype="float32")
+MODELS = ("qwen38-tiny", "glm53-tiny")
 
 
 @pytest.fixture(scope="module")
-def bigram(tiny):
-    """Layers' outputs scaled down and the MTP made to echo its next-token embedding: the model is
-    close to a bigram model and its MTP head predicts what the model will say next."""
-    graphdef, state = nnx.split(nnx.clone(tiny.module))
-    flat = dict(nnx.to_flat_state(state))
-    d = tiny.config.hidden_size
-    for path, var in flat.items():
-        name = ".".join(map(str, path))
-        if any(s in name for s in ("o_proj.kernel", "out_proj.kernel", "down_proj.kernel")):
-            var.set_value(var.get_value() * 0.02)
-    flat[("mtp", "fc", "kernel")].set_value(jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0))
-    flat[("mtp", "embed_norm", "weight")].set_value(jnp.zeros((d,)))
-    flat[("mtp", "final_norm", "weight")].set_value(flat[("norm", "weight")].get_value())
-    module = nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
-    return Model(module, tiny.config, tiny.tokenizer, dict(tiny.load_info))
+def models():
+    """Each tiny model as shipped (random MTP head: acceptance ~0, mostly rollbacks) and its bigram
+    variant (MTP agrees with the model: multi-token accepts, every rollback depth)."""
+    out = {}
+    for name in MODELS:
+        out[name] = zoo.load(name, dtype="float32")
+        out[name + "/bigram"] = bigram_variant(out[name])
+    return out
 
 
 @pytest.fixture(scope="module")
-def plain_runs(tiny, bigram):
+def plain_runs(models):
     """Plain greedy decoding of each prompt on its own (the oracle for every other run)."""
-    return {name: [m.generate([p], max_new_tokens=N_NEW)[0] for p in PROMPTS]
-            for name, m in (("tiny", tiny), ("bigram", bigram))}
+    return {name: [m.generate([p], max_new_tokens=N_NEW)[0] for p in PROMPTS] for name, m in models.items()}
 
 
-@pytest.mark.parametrize("which", ["tiny", "bigram"])
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_spec_greedy_equals_plain_greedy(request, plain_runs, which, k):
-    model = request.getfixturevalue(which)
+CASES = [(m, 2) for m in MODELS] + [(m + "/bigram", k) for m in MODELS for k in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("which,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
+def test_spec_greedy_equals_plain_greedy(models, plain_runs, which, k):
+    model = models[which]
     plain = plain_runs[which]
     spec = model.generate(PROMPTS, max_new_tokens=N_NEW, spec_tokens=k)
     for p, s in zip(plain, spec):
@@ -66,14 +58,16 @@ def test_spec_greedy_equals_plain_greedy(request, plain_runs, which, k):
     accepted = sum(s.stats["accepted"] for s in spec) / sum(s.stats["drafted"] for s in spec)
     print(f"[{which} k={k}] acceptance {accepted:.2f}, tokens/step "
           f"{sum(len(s.tokens) for s in spec) / sum(s.stats['steps'] + 1 for s in spec):.2f}")
-    if which == "bigram":
+    if which.endswith("/bigram"):
         assert accepted > 0.5, "the bigram model should accept most drafts"
 
 
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("k", [0, 2])
-def test_streams_joining_and_leaving_match_solo_runs(bigram, plain_runs, k):
-    alone = {i: g.tokens for i, g in enumerate(plain_runs["bigram"])}
-    gen = Generator(bigram, spec_tokens=k, max_batch=4)
+def test_streams_joining_and_leaving_match_solo_runs(models, plain_runs, name, k):
+    which = name + "/bigram"
+    alone = {i: g.tokens for i, g in enumerate(plain_runs[which])}
+    gen = models[which].generator(k)      # 4 rows (MIN_ROWS): stream 3 takes the row stream 1 freed
     lengths = [N_NEW, 5, N_NEW, 9]
     reqs = {0: gen.submit(gen.make_request(PROMPTS[0], max_new_tokens=lengths[0]))}
     for _ in range(3):
@@ -86,22 +80,25 @@ def test_streams_joining_and_leaving_match_solo_runs(bigram, plain_runs, k):
     reqs[3] = gen.submit(gen.make_request(PROMPTS[3], max_new_tokens=lengths[3]))
     while gen.has_work():
         gen.step()
+    assert len(gen._rows) == MIN_ROWS == 4
     for i, r in reqs.items():
         assert r.tokens == alone[i][:lengths[i]], f"stream {i}"
 
 
-def test_spec_respects_stop_tokens(bigram, plain_runs):
-    full = plain_runs["bigram"][0].tokens
+def test_spec_respects_stop_tokens(models, plain_runs):
+    which = "qwen38-tiny/bigram"
+    full = plain_runs[which][0].tokens
     stop = full[6]
     first = full.index(stop)
-    spec = bigram.generate([PROMPTS[0]], max_new_tokens=N_NEW, stop=[stop], spec_tokens=3)[0]
+    spec = models[which].generate([PROMPTS[0]], max_new_tokens=N_NEW, stop=[stop], spec_tokens=3)[0]
     assert spec.tokens == full[:first] and spec.finish_reason == "stop"
 
 
-def test_sampled_spec_is_reproducible_and_batch_independent(bigram):
+def test_sampled_spec_is_reproducible_and_batch_independent(models):
+    model = models["glm53-tiny/bigram"]
     kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=5)
-    a = bigram.generate([PROMPTS[1]], spec_tokens=2, **kw)[0].tokens
-    b = bigram.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], spec_tokens=2, **kw)[1].tokens
+    a = model.generate([PROMPTS[1]], spec_tokens=2, **kw)[0].tokens
+    b = model.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], spec_tokens=2, **kw)[1].tokens
     assert a == b
 
 

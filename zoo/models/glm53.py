@@ -15,9 +15,13 @@ MTP (``layers.{num_hidden_layers}`` on disk): ``zoo.models.mtp.MTPHead`` around 
 One code path serves a full forward (a fresh cache as long as the input), prefill, one-token decode
 and k-token verify; the cache is an explicit pytree::
 
-    cache = {"positions": {"index", "pos", "key_pos"},        shared MLA bookkeeping (``mla.Positions``)
+    cache = {"slots": {"index", "pos", "key_pos"},            shared MLA bookkeeping (``mla.Positions``)
              "layers": [ {"conv", "state"} | {"latent"(, "indexer")} ],  one entry per layer
-             "mtp": {"positions": ..., "layers": [{"latent", "indexer"}]}}   with an MTP layer
+             "mtp": {"slots": ..., "layers": [{"latent", "indexer"}]}}   with an MTP layer
+
+Speculative decoding: ``keep_steps`` keeps the KDA states and the indexer tails after every token of
+a verify call; ``rollback`` keeps the accepted prefix. The latent cache and the pooled keys are
+positional: slots past the kept prefix are marked empty and rewritten later.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from zoo.config import Glm53Config
 from zoo.models.hyper import HyperConnection
 from zoo.models.kda import KimiDeltaAttention
 from zoo.models.layers import Embed, Linear, RMSNorm, SwiGLU
-from zoo.models.mla import MultiLatentAttention, Positions, advance_positions, empty_positions
+from zoo.models.mla import (MultiLatentAttention, Positions, advance_positions, empty_positions,
+                            rollback_positions)
 from zoo.models.moe import MoE
 from zoo.models.mtp import MTPHead
 from zoo.quant.matmul import matmul
@@ -63,14 +68,17 @@ class DecoderLayer(nnx.Module):
             return self.self_attn.init_cache(batch)
         return self.self_attn.init_cache(batch, length)
 
-    def __call__(self, streams, mask, pos: Positions, cache, selection):
+    def select_step(self, cache, idx):
+        return self.self_attn.select_step(cache, idx)
+
+    def __call__(self, streams, mask, pos: Positions, cache, selection, keep_steps: bool = False):
         """streams [B, T, N, D] -> (streams, layer cache, token selection for later shared layers)."""
         def mixer(h):
             h = self.input_layernorm(h)
             if self.layer_type == "linear_attention":
-                y, new_cache = self.self_attn(h, mask, cache)
+                y, new_cache = self.self_attn(h, mask, cache, keep_steps)
                 return y, (new_cache, selection)
-            y, new_cache, new_selection = self.self_attn(h, pos, cache, selection)
+            y, new_cache, new_selection = self.self_attn(h, pos, cache, selection, keep_steps)
             return y, (new_cache, new_selection)
 
         streams, (cache, selection) = self.attn_hc(streams, mixer)
@@ -119,10 +127,10 @@ class Glm53(nnx.Module):
     # -- caches -----------------------------------------------------------------------------
     def init_cache(self, batch: int, length: int) -> dict:
         """A zeroed cache for ``batch`` rows and ``length`` token slots."""
-        cache = {"positions": empty_positions(batch, length),
+        cache = {"slots": empty_positions(batch, length),
                  "layers": [layer.init_cache(batch, length) for layer in self.layers]}
         if self.mtp is not None:
-            cache["mtp"] = {"positions": empty_positions(batch, length),
+            cache["mtp"] = {"slots": empty_positions(batch, length),
                             "layers": [self.mtp.block.init_cache(batch, length)]}
         return cache
 
@@ -132,18 +140,37 @@ class Glm53(nnx.Module):
         w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel.get_value()
         return matmul(hidden.astype(self.dtype), w, out_dtype=jnp.float32)
 
-    def __call__(self, ids: jax.Array, mask: jax.Array, cache: dict):
-        """ids, mask [B, T] -> (logits f32 [B, T, V], post-norm hidden [B, T, D], new cache)."""
+    def __call__(self, ids: jax.Array, mask: jax.Array, cache: dict, keep_steps: bool = False):
+        """ids, mask [B, T] -> (logits f32 [B, T, V], post-norm hidden [B, T, D], new cache).
+
+        ``keep_steps``: recurrent state is kept after every token (see ``rollback``)."""
         mask = mask.astype(bool)
-        pos, meta = advance_positions(cache["positions"], mask)
+        pos, meta = advance_positions(cache["slots"], mask)
         x = self.embed_tokens(ids)
         streams = jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (self.config.hc_mult, x.shape[-1]))
         selection, new_layers = None, []
         for layer, layer_cache in zip(self.layers, cache["layers"]):
-            streams, layer_cache, selection = layer(streams, mask, pos, layer_cache, selection)
+            streams, layer_cache, selection = layer(streams, mask, pos, layer_cache, selection, keep_steps)
             new_layers.append(layer_cache)
         hidden = self.norm(jnp.mean(streams, axis=2))
-        return self.head(hidden), hidden, {**cache, "positions": meta, "layers": new_layers}
+        return self.head(hidden), hidden, {**cache, "slots": meta, "layers": new_layers}
+
+    rollback_meta = staticmethod(rollback_positions)
+
+    def rollback(self, cache: dict, before: dict, n_keep: jax.Array) -> dict:
+        """Keep only the first ``n_keep[b]`` tokens of the last ``keep_steps`` call of each row
+        (``before``: the ``cache["slots"]`` that call received)."""
+        layers = [layer.select_step(c, n_keep - 1) for layer, c in zip(self.layers, cache["layers"])]
+        return {**cache, "slots": rollback_positions(before, cache["slots"], n_keep), "layers": layers}
+
+    @staticmethod
+    def mtp_restore(cache: dict, mark: dict) -> dict:
+        """Undo MTP calls made since ``mark`` (an earlier ``cache["mtp"]``): its bookkeeping and the
+        indexer tails come back; the latent slots and pooled keys they wrote are positional."""
+        block = cache["mtp"]["layers"][0]
+        tails = {k: mark["layers"][0]["indexer"][k] for k in ("tail_k", "tail_gate")}
+        block = {**block, "indexer": {**block["indexer"], **tails}}
+        return {**cache, "mtp": {"slots": mark["slots"], "layers": [block]}}
 
     def mtp_forward(self, hidden: jax.Array, next_ids: jax.Array, mask: jax.Array, cache: dict):
         """MTP rows: hidden [B, T, D] (post-norm h_t), next_ids [B, T] (x_{t+1}), mask [B, T]
@@ -151,7 +178,7 @@ class Glm53(nnx.Module):
         if self.mtp is None:
             raise ValueError("this model has no MTP layer (mtp_num_hidden_layers == 0)")
         mask = mask.astype(bool)
-        pos, meta = advance_positions(cache["mtp"]["positions"], mask)
+        pos, meta = advance_positions(cache["mtp"]["slots"], mask)
         out, block_cache = self.mtp(hidden.astype(self.dtype), self.embed_tokens(next_ids), mask, pos,
                                     cache["mtp"]["layers"][0])
-        return self.head(out), out, {**cache, "mtp": {"positions": meta, "layers": [block_cache]}}
+        return self.head(out), out, {**cache, "mtp": {"slots": meta, "layers": [block_cache]}}

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.kernels import linear_attention
-from zoo.models.layers import Linear, causal_depthwise_conv, param, rms_normalize
+from zoo.models.layers import (Linear, causal_depthwise_conv, conv_state_steps, param, rms_normalize,
+                               take_step)
 
 PROJECTIONS = ("q", "k", "v")
 
@@ -76,21 +77,37 @@ class KimiDeltaAttention(nnx.Module):
             return self.lower_bound * jax.nn.sigmoid(rate * f)
         return -rate * jax.nn.softplus(f)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-        """x [B, T, D], mask [B, T] (True = token) -> (y [B, T, D], new cache)."""
+    @staticmethod
+    def select_step(steps: dict, idx: jax.Array) -> dict:
+        """A ``keep_steps`` cache -> the plain cache after token ``idx[b]`` of each row b."""
+        return {"conv": {name: take_step(c, idx) for name, c in steps["conv"].items()},
+                "state": take_step(steps["state"], idx)}
+
+    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict, keep_steps: bool = False
+                 ) -> tuple[jax.Array, dict]:
+        """x [B, T, D], mask [B, T] (True = token) -> (y [B, T, D], new cache).
+
+        ``keep_steps``: the cache holds the conv and recurrent states after every token
+        (``{"conv": {name: [B, T, K-1, W]}, "state": [B, T, H, dk, dv]}``; see ``select_step``)."""
         b, t, _ = x.shape
         heads = (b, t, self.n_heads, self.head_dim)
         x = jnp.where(mask[..., None], x, 0).astype(x.dtype)
         qkv, conv_states = {}, {}
         for name in PROJECTIONS:
             proj, weight = getattr(self, f"{name}_proj"), getattr(self, f"{name}_conv")
-            y, conv_states[name] = causal_depthwise_conv(proj(x), cache["conv"][name], weight[...])
+            projected = proj(x)
+            y, conv_states[name] = causal_depthwise_conv(projected, cache["conv"][name], weight[...])
+            if keep_steps:
+                conv_states[name] = conv_state_steps(cache["conv"][name], projected)
             qkv[name] = jax.nn.silu(y.astype(jnp.float32)).astype(x.dtype).reshape(heads)
         g = jnp.where(mask[..., None, None], self.forget_gate(x), 0.0)
         beta = jnp.where(mask[..., None], jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), 0.0)
         q = linear_attention.l2_normalize(qkv["q"]) * (self.head_dim ** -0.5)
         k = linear_attention.l2_normalize(qkv["k"])
-        o, state = linear_attention.delta_rule(q, k, qkv["v"], g, beta, cache["state"])
+        if keep_steps:
+            o, state = linear_attention.recurrent(q, k, qkv["v"], g, beta, cache["state"], all_states=True)
+        else:
+            o, state = linear_attention.delta_rule(q, k, qkv["v"], g, beta, cache["state"])
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         o = self.o_norm(o.astype(x.dtype), gate).reshape(b, t, self.width)
         return self.o_proj(o), {"conv": conv_states, "state": state}

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.models.attention import write_slots
-from zoo.models.layers import LayerNorm, Linear, RMSNorm, param
+from zoo.models.layers import LayerNorm, Linear, RMSNorm, param, take_step
 from zoo.quant.matmul import einsum
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -77,6 +77,15 @@ def advance_positions(meta: dict, mask: jax.Array) -> tuple[Positions, dict]:
     return positions, new_meta
 
 
+def rollback_positions(before: dict, after: dict, n_keep: jax.Array) -> dict:
+    """Bookkeeping after keeping only the first ``n_keep [B]`` tokens written since ``before`` (they
+    must be real tokens); later slots become empty (-1) and are overwritten by the next call."""
+    index = before["index"] + n_keep
+    slot_ids = jnp.arange(after["key_pos"].shape[1])
+    return {"index": index, "pos": before["pos"] + n_keep,
+            "key_pos": jnp.where(slot_ids[None, :] < index[:, None], after["key_pos"], -1)}
+
+
 class Indexer(nnx.Module):
     """The k-pool indexer of one "full" layer: ``__call__ -> (token mask [B, T, L], cache)``."""
 
@@ -99,9 +108,15 @@ class Indexer(nnx.Module):
         return {"pool_k": jnp.zeros((batch, n_pools, self.head_dim), self.dtype), "tail_k": tail,
                 "tail_gate": tail}
 
-    def _update_pools(self, k: jax.Array, gate: jax.Array, pos: Positions, cache: dict) -> dict:
+    def _update_pools(self, k: jax.Array, gate: jax.Array, pos: Positions, cache: dict,
+                      keep_steps: bool = False) -> dict:
         """Pool the call's keys (k, gate [B, T, di]) with the cached tail: writes the key of every pool
-        completed by this call into ``pool_k`` and keeps the new incomplete pool as the tail."""
+        completed by this call into ``pool_k`` and keeps the new incomplete pool as the tail.
+
+        ``keep_steps``: the tails are kept after every token (``[B, T, P, di]``): the tail after t
+        tokens is the window pool holding position start + t. Entries of rejected tokens beyond a
+        kept prefix sit at offsets the next call treats as empty; ``pool_k`` needs no rollback,
+        because a pool is only read once it is complete and is rewritten when it completes again."""
         p = self.pool
         b, t, di = k.shape
         window = t // p + 2                                   # pools a call can touch, incl. the old tail
@@ -125,15 +140,18 @@ class Indexer(nnx.Module):
         pooled = jnp.sum(probs.astype(self.dtype) * keys, axis=2)                          # [B, W, di]
         n_pools = cache["pool_k"].shape[1]
         dest = jnp.where(filled.all(-1), first[:, None] + jnp.arange(window), n_pools)
+        pool_k = cache["pool_k"].at[rows, dest].set(pooled, mode="drop")
+        if keep_steps:
+            steps = (pos.start[:, None] + jnp.arange(1, t + 1)[None, :]) // p - first[:, None]   # [B, T]
+            return {"pool_k": pool_k, "tail_k": keys[rows, steps], "tail_gate": gates[rows, steps]}
         last = (pos.start + pos.count) // p - first                                        # new tail
-        return {"pool_k": cache["pool_k"].at[rows, dest].set(pooled, mode="drop"),
-                "tail_k": keys[jnp.arange(b), last], "tail_gate": gates[jnp.arange(b), last]}
+        return {"pool_k": pool_k, "tail_k": keys[jnp.arange(b), last], "tail_gate": gates[jnp.arange(b), last]}
 
-    def __call__(self, x: jax.Array, q_resid: jax.Array, pos: Positions, cache: dict):
+    def __call__(self, x: jax.Array, q_resid: jax.Array, pos: Positions, cache: dict, keep_steps: bool = False):
         """x [B, T, D], q_resid [B, T, q_lora] -> (token mask [B, T, L] bool, new indexer cache)."""
         b, t, _ = x.shape
         q = self.wq_b(q_resid).reshape(b, t, self.n_heads, self.head_dim)
-        cache = self._update_pools(self.k_norm(self.wk(x)), self.compress_gate(x), pos, cache)
+        cache = self._update_pools(self.k_norm(self.wk(x)), self.compress_gate(x), pos, cache, keep_steps)
         pool_k = cache["pool_k"]
         scores = jnp.einsum("bthd,bpd->bthp", q.astype(jnp.float32), pool_k.astype(jnp.float32),
                             precision=HIGHEST)
@@ -184,7 +202,17 @@ class MultiLatentAttention(nnx.Module):
             cache["indexer"] = self.indexer.init_cache(batch, length)
         return cache
 
-    def __call__(self, x: jax.Array, pos: Positions, cache: dict, selection: jax.Array | None):
+    @staticmethod
+    def select_step(steps: dict, idx: jax.Array) -> dict:
+        """A ``keep_steps`` cache -> the cache after token ``idx[b]`` (only the indexer tails have steps)."""
+        if "indexer" not in steps:
+            return steps
+        ix = steps["indexer"]
+        return {**steps, "indexer": {**ix, "tail_k": take_step(ix["tail_k"], idx),
+                                     "tail_gate": take_step(ix["tail_gate"], idx)}}
+
+    def __call__(self, x: jax.Array, pos: Positions, cache: dict, selection: jax.Array | None,
+                 keep_steps: bool = False):
         """x [B, T, D]; selection: the token mask [B, T, L] of the last full layer (shared layers).
 
         Returns (y [B, T, D], new cache, the token mask this layer used).
@@ -195,7 +223,7 @@ class MultiLatentAttention(nnx.Module):
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
         cache = {**cache, "latent": write_slots(cache["latent"], latent, pos.write_at)}
         if self.indexer is not None:
-            selection, cache["indexer"] = self.indexer(x, q_resid, pos, cache["indexer"])
+            selection, cache["indexer"] = self.indexer(x, q_resid, pos, cache["indexer"], keep_steps)
         kv_b = self.kv_b[...].astype(x.dtype).reshape(self.latent, self.n_heads, self.dn + self.dv)
         w_k, w_v = kv_b[..., :self.dn], kv_b[..., self.dn:]
         c = cache["latent"]

@@ -108,6 +108,14 @@ class Qwen38(nnx.Module):
         hidden = self.norm(x)
         return self.head(hidden), hidden, {**cache, "slots": meta, "layers": new_layers}
 
+    rollback_meta = staticmethod(rollback_slots)
+
+    @staticmethod
+    def mtp_restore(cache: dict, mark: dict) -> dict:
+        """Undo MTP calls made since ``mark`` (an earlier ``cache["mtp"]``): the MTP layer is pure
+        attention, so restoring its slot bookkeeping is enough (the KV slots are overwritten later)."""
+        return {**cache, "mtp": {**cache["mtp"], "slots": mark["slots"]}}
+
     def rollback(self, cache: dict, before: dict, n_keep: jax.Array) -> dict:
         """Keep only the first ``n_keep[b]`` tokens of the last ``keep_steps`` call of each row.
 

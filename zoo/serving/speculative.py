@@ -9,7 +9,11 @@ One decode step (``spec_step``, one compiled program for the whole model)::
     accept: j leading drafts pass ``u * q(d) < p(d)``; extra token from normalize(max(0, p_j - q_j))
             (or from p_k when all k pass: the bonus); at temperature 0 this is "d_i == argmax p_i"
     rollback: keep the j+1 tokens [x_m, d_1..d_j]: attention slots beyond become invalid, recurrent
-              layers take the state after token j (``model.rollback``)
+              layers take the state after token j (``model.rollback``); the provisional MTP rows are
+              undone with ``model.mtp_restore``
+
+The model provides ``__call__(..., keep_steps=True)``, ``rollback``, ``rollback_meta`` and
+``mtp_restore`` (Qwen38, Glm53).
     next pending rows: (h_m, d_1) .. (h_{m+j-1}, d_j), (h_{m+j}, extra)       -- j+1 rows
 
 ``accept`` is the sampler on its own (tested for distributional exactness).
@@ -20,7 +24,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zoo.models.attention import rollback_slots
 from zoo.serving.sampling import draw, probs
 
 
@@ -67,8 +70,9 @@ def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Ar
     rows = (jnp.arange(k + 1)[None, :] < pending["n"][:, None]) & active[:, None]
     mtp_before = cache["mtp"]["slots"]
     q_logits, o, cache = model.mtp_forward(pending["h"], pending["tok"], rows, cache)
-    caught_up = rollback_slots(mtp_before, cache["mtp"]["slots"], jnp.where(active, pending["n"], 0))
+    caught_up = model.rollback_meta(mtp_before, cache["mtp"]["slots"], jnp.where(active, pending["n"], 0))
     cache = {**cache, "mtp": {**cache["mtp"], "slots": caught_up}}
+    mark = cache["mtp"]
     last = jnp.maximum(pending["n"] - 1, 0)
     q_i, o_i = _at(q_logits, last), _at(o, last)
     qs, drafts = [], []
@@ -78,7 +82,7 @@ def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Ar
             q_i, o_i = q_l[:, 0], o_l[:, 0]
         qs.append(probs(q_i, temp, top_k, top_p))
         drafts.append(draw(sub[:, i], qs[-1], greedy))
-    cache = {**cache, "mtp": {**cache["mtp"], "slots": caught_up}}    # drop the provisional rows
+    cache = model.mtp_restore(cache, mark)                              # drop the provisional rows
     drafts = jnp.stack(drafts, axis=1)                                  # [B, k]
     x_m = _at(pending["tok"], last)
     verify_ids = jnp.concatenate([x_m[:, None], drafts], axis=1)
