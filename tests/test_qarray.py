@@ -138,4 +138,5 @@ def test_moe_over_qarray_banks_equals_dense_banks():
     ids = jnp.asarray(rng.integers(0, e, (5, 2)))
     weights = jnp.asarray(rng.random((5, 2)), jnp.float32)
     ours = moe(x, weights, ids, *qbanks, limit=None)
-    assert np.array_equal(np.asarray(ours), np.asarray(dense_moe(x, weights, ids, *dense, None)))
+    # the QArray path decodes in plane order (zoo.kernels): the same weights, another summation order
+    assert rel_err(ours, dense_moe(x, weights, ids, *dense, None)) <= 1e-6

@@ -15,10 +15,11 @@ def load(name_or_path, *, quant=None, mesh=None, cache=None, dtype="bfloat16"):
     return _load(name_or_path, quant=quant, mesh=mesh, cache=cache, dtype=dtype)
 
 
-def plan(name, *, quant, devices=8):
-    """Memory plan of a registry model under a quantization recipe (see ``zoo.quant.plan.plan``)."""
+def plan(name, *, quant, devices=8, layout="tp"):
+    """Memory plan of a registry model under a quantization recipe on ``devices`` chips in a mesh
+    layout ("tp" or "ep"; see ``zoo.quant.plan.plan``)."""
     from zoo.quant.plan import plan as _plan
-    return _plan(name, quant=quant, devices=devices)
+    return _plan(name, quant=quant, devices=devices, layout=layout)
 
 
 def list_models() -> list[str]:

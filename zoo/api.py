@@ -6,7 +6,8 @@
       abstract  nnx.eval_shape(Model(config)): shapes and logical axes only, no parameter memory
       fill      each source tensor is read on its own (lazily), mapped to its parameter path by the
                 architecture's name map, transformed to the parameter layout, checked, placed
-      -> Model(module, config, tokenizer, load_info)
+                (with ``mesh=``: shard by shard onto its ``NamedSharding``, ``zoo.placement``)
+      -> Model(module, config, tokenizer, load_info, mesh)
 
 The public contract (DESIGN.md): ``zoo.load(name_or_path, *, quant=None, mesh=None, cache=None,
 dtype="bfloat16")``; ``Model.logits(input_ids, attention_mask=None) -> np.float32 [B, S, V]``;
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +30,10 @@ from flax import nnx
 
 from zoo import registry
 from zoo.config import load_config
+from zoo.mesh import on_mesh, resolve_mesh
 from zoo.models import arch as get_arch
+from zoo.models.cache_axes import shard_cache
+from zoo.placement import full_index, place, source_index
 from zoo.quant.fp8 import Fp8Dequantized
 from zoo.quant.names import TRANSFORMS, NameMap, Target, apply_transform
 from zoo.quant.safetensors import SafetensorsSource, SourceError, TensorInfo
@@ -89,17 +94,35 @@ class StackedSlices:
         return TensorInfo(self.source.info(self.slice_keys[0]).dtype, tuple(self.want.shape))
 
     def read(self, key: str, index=()) -> np.ndarray:
+        """``stacked[index]``; for slices of a float source through a re-indexing transform, only the
+        selected slices' selected parts are read."""
+        index = full_index(index, len(self.want.shape))
+        if not all(isinstance(i, slice) for i in index):
+            return self._read_part(range(len(self.slice_keys)), ())[index]
+        return self._read_part(range(len(self.slice_keys))[index[0]], index[1:])
+
+    def _read_part(self, picks: range, inner: tuple) -> np.ndarray:
+        shape = tuple(self.want.shape[1:])
+        inner = full_index(inner, len(shape))
         stacked = None
-        for i, k in enumerate(self.slice_keys):
-            part = apply_transform(self.target.transform, self.source.read(k))
-            if part.shape != tuple(self.want.shape[1:]):
-                raise SourceError(f"tensor {k!r} has shape {tuple(self.source.info(k).shape)}; slice {i} of "
-                                  f"parameter {self.target.path} needs {tuple(self.want.shape[1:])} "
-                                  f"(after layout transform {self.target.transform!r})")
+        for n, i in enumerate(picks):
+            k = self.slice_keys[i]
+            info = self.source.info(k)
+            axes = None if getattr(info, "quantized", False) else source_index(
+                self.target.transform, tuple(range(len(shape))))
+            if axes is not None and tuple(shape[a] for a in axes) == tuple(info.shape):
+                part = apply_transform(self.target.transform, self.source.read(k, tuple(inner[a] for a in axes)))
+            else:
+                part = apply_transform(self.target.transform, self.source.read(k))
+                if part.shape != shape:
+                    raise SourceError(f"tensor {k!r} has shape {tuple(info.shape)}; slice {i} of parameter "
+                                      f"{self.target.path} needs {shape} (after layout transform "
+                                      f"{self.target.transform!r})")
+                part = part[inner]
             if stacked is None:
-                stacked = np.empty((len(self.slice_keys),) + part.shape, part.dtype)
-            stacked[i] = part
-        return stacked[index]
+                stacked = np.empty((len(picks),) + part.shape, part.dtype)
+            stacked[n] = part
+        return stacked
 
 
 def _stacked_view(source, slices: dict[int, str], target: Target, want) -> StackedSlices:
@@ -119,14 +142,15 @@ def _stacked_view(source, slices: dict[int, str], target: Target, want) -> Stack
     return StackedSlices(source, [slices[i] for i in range(n)], target, want)
 
 
-def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dense_store
+def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dense_store, mesh=None
                      ) -> tuple[nnx.Module, list[str]]:
     """Fill an abstract module's parameters from ``source``; returns (module, unused source keys).
 
     Each source tensor is read on its own and handed to ``store`` (see ``dense_store``); tensors that
     are slices of one parameter (``Rule.index``) are handed over stacked, as one ``StackedSlices``
-    view. Raises ``SourceError`` naming the tensor on a shape mismatch or a missing slice, and naming
-    the parameters that no source tensor provided.
+    view. With a ``mesh``, each parameter is placed shard by shard with the sharding its logical
+    axes have there (``zoo.placement``). Raises ``SourceError`` naming the tensor on a shape
+    mismatch or a missing slice, and naming the parameters that no source tensor provided.
     """
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
@@ -143,11 +167,11 @@ def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dens
         if hit.index is not None:
             sliced.setdefault(hit.path, (hit, {}))[1][hit.index] = key
             continue
-        _fill(params[hit.path], store, source, key, hit.transform, hit.path)
+        _fill(params[hit.path], store, source, key, hit.transform, hit.path, mesh)
         filled.add(hit.path)
     for path, (target, slices) in sliced.items():
         view = _stacked_view(source, slices, target, params[path].get_value())
-        _fill(params[path], store, view, view.name, None, path)
+        _fill(params[path], store, view, view.name, None, path, mesh)
         filled.add(path)
     missing = sorted(set(params) - filled)
     if missing:
@@ -156,9 +180,12 @@ def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dens
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), unused
 
 
-def _fill(var, store, source, key: str, transform, path: str) -> None:
-    """Store source tensor ``key`` into the parameter ``var`` (at ``path``)."""
-    value = store(source, key, transform, var.get_value(), path)
+def _fill(var, store, source, key: str, transform, path: str, mesh=None) -> None:
+    """Store source tensor ``key`` into the parameter ``var`` (at ``path``), on ``mesh`` if given."""
+    if mesh is None:
+        value = store(source, key, transform, var.get_value(), path)
+    else:
+        value = place(store, source, key, transform, var.get_value(), var.get_metadata()["axes"], path, mesh)
     if tuple(value.shape) != tuple(var.get_value().shape):
         raise SourceError(f"tensor {key!r}: stored shape {tuple(value.shape)} != parameter {path} "
                           f"shape {var.get_value().shape}")
@@ -174,7 +201,7 @@ def _store_for(quant: str | None, gguf: bool = False, dtype: str = "bfloat16"):
     if quant is None and not gguf:
         return dense_store
     from zoo.quant.recipes import store_for
-    return store_for(quant, dtype, also_known=tuple(QUANT_STORES))
+    return store_for(quant, dtype, also_known=tuple(QUANT_STORES), gguf=gguf)
 
 
 def _has_mtp_tensors(source, name_map: NameMap) -> bool:
@@ -182,14 +209,56 @@ def _has_mtp_tensors(source, name_map: NameMap) -> bool:
     return any((hit := name_map.resolve(k)) is not None and hit.path.startswith("mtp.") for k in source.keys())
 
 
+def _request_fingerprint(name_or_path, quant, dtype: str) -> dict:
+    """The cache fingerprint of a load request; source identities where the sources are local."""
+    from zoo import checkpoint
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return checkpoint.fingerprint(f"path:{path.resolve().name}", quant, dtype,
+                                      [checkpoint.file_identity(f) for f in checkpoint.source_files(path)])
+    spec = registry.get_spec(str(name_or_path))
+    local = registry.local_checkpoint(spec)
+    sources = None if local is None else [checkpoint.file_identity(f) for f in checkpoint.source_files(local)]
+    return checkpoint.fingerprint(spec.name, quant, dtype, sources)
+
+
+def _load_cached(name_or_path, quant, mesh, cache, dtype: str) -> "Model | None":
+    """Restore from a matching cache entry under ``cache`` or the search roots (None if none)."""
+    from zoo import checkpoint
+    t0 = time.perf_counter()
+    fp = _request_fingerprint(name_or_path, quant, dtype)
+    entry, reasons = checkpoint.find(fp, checkpoint.search_roots(cache))
+    for why in reasons:
+        print(f"[zoo] not using cache {why}; rebuilding", file=sys.stderr)
+    if entry is None:
+        return None
+    t_find = time.perf_counter()
+    try:
+        module, cfg, tokenizer = checkpoint.restore(entry, mesh)
+    except checkpoint.CacheError as e:
+        print(f"[zoo] not using cache: {e}; rebuilding", file=sys.stderr)
+        return None
+    info = {"source": "cache", "cache_path": str(entry), "dtype": dtype, "quant": quant,
+            "mesh": None if mesh is None else dict(mesh.shape), "unused_tensors": [],
+            "seconds": {"find": t_find - t0, "restore": time.perf_counter() - t_find,
+                        "total": time.perf_counter() - t0}}
+    return Model(module, cfg, tokenizer, info, mesh=mesh)
+
+
 def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache=None,
          dtype="bfloat16") -> "Model":
-    """Load a model by registry name or from a local HF checkpoint directory (see module doc)."""
-    store = _store_for(quant, gguf=str(name_or_path).endswith(".gguf"), dtype=jnp.dtype(_dtype(dtype)).name)
-    if mesh is not None:
-        raise NotImplementedError("mesh=: sharded loading is not implemented yet")
-    if cache is not None:
-        raise NotImplementedError("cache=: the Orbax weight cache is not implemented yet")
+    """Load a model by registry name, local HF checkpoint directory or GGUF file (see module doc).
+
+    ``cache``: a directory for the repacked-weight cache (``zoo.checkpoint``): a matching entry there
+    (or under the search roots, e.g. /kaggle/input) is restored; otherwise the model is loaded from
+    its sources and, with ``cache`` given, saved there.
+    """
+    dtype_name = jnp.dtype(_dtype(dtype)).name
+    mesh = resolve_mesh(mesh)
+    cached = _load_cached(name_or_path, quant, mesh, cache, dtype_name)
+    if cached is not None:
+        return cached
+    store = _store_for(quant, gguf=str(name_or_path).endswith(".gguf"), dtype=dtype_name)
     t0 = time.perf_counter()
     dt = _dtype(dtype)
     ckpt = resolve(name_or_path)
@@ -208,43 +277,54 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
         name_map = arch.hf_name_map(cfg)
         from zoo.serving.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_dir(ckpt)
+    from zoo.quant.recipes import sources_for
+    source, name_map = sources_for(quant, ckpt, cfg, source, name_map)   # recipes that mix in a GGUF
     abstract = nnx.eval_shape(lambda: arch.model_class()(cfg, dtype=dt))
-    module, unused = fill_from_source(abstract, source, name_map, store)
+    module, unused = fill_from_source(abstract, source, name_map, store, mesh=mesh)
     t_fill = time.perf_counter()
-    info = {"source": "gguf" if ckpt.suffix == ".gguf" else "source", "path": str(ckpt),
-            "dtype": jnp.dtype(dt).name, "quant": quant,
-            "unused_tensors": unused,
-            "seconds": {"resolve": t_resolve - t0, "fill": t_fill - t_resolve,
-                        "total": time.perf_counter() - t0}}
-    return Model(module, cfg, tokenizer, info)
+    info = {"source": "source", "format": "gguf" if ckpt.suffix == ".gguf" else "safetensors",
+            "path": str(ckpt), "dtype": dtype_name, "quant": quant,
+            "mesh": None if mesh is None else dict(mesh.shape), "unused_tensors": unused,
+            "seconds": {"resolve": t_resolve - t0, "fill": t_fill - t_resolve}}
+    model = Model(module, cfg, tokenizer, info, mesh=mesh)
+    if cache is not None:
+        from zoo import checkpoint
+        fp = _request_fingerprint(name_or_path, quant, dtype_name)
+        name = registry.REGISTRY[name_or_path].name if name_or_path in registry.REGISTRY else Path(ckpt).stem
+        info["cache_path"] = str(checkpoint.save(model, cache, fp, name))
+        info["seconds"]["save"] = time.perf_counter() - t_fill
+    info["seconds"]["total"] = time.perf_counter() - t0
+    return model
 
 
 def _full_forward(graphdef, state, ids, mask):
     model = nnx.merge(graphdef, state)
-    logits, hidden, _ = model(ids, mask, model.init_cache(ids.shape[0], ids.shape[1]))
+    logits, hidden, _ = model(ids, mask, shard_cache(model.init_cache(ids.shape[0], ids.shape[1])))
     return logits, hidden
 
 
 def _mtp_forward(graphdef, state, ids, mask):
     model = nnx.merge(graphdef, state)
     b, s = ids.shape
-    _, hidden, cache = model(ids, mask, model.init_cache(b, s))
+    _, hidden, cache = model(ids, mask, shard_cache(model.init_cache(b, s)))
     rows_mask = mask[:, :-1] & mask[:, 1:]
     logits, _, _ = model.mtp_forward(hidden[:, :-1], ids[:, 1:], rows_mask, cache)
     return logits
 
 
 class Model:
-    """A loaded model: ``.module`` (NNX), ``.config``, ``.tokenizer`` (or None), ``.load_info``."""
+    """A loaded model: ``.module`` (NNX), ``.config``, ``.tokenizer`` (or None), ``.load_info``, and
+    ``.mesh`` (None on one device): its programs are traced on that mesh (``zoo.mesh.on_mesh``)."""
 
-    def __init__(self, module: nnx.Module, config, tokenizer, load_info: dict):
+    def __init__(self, module: nnx.Module, config, tokenizer, load_info: dict, mesh=None):
         self.module = module
+        self.mesh = mesh
         self.config = config
         self.tokenizer = tokenizer
         self.load_info = load_info
         self._graphdef, self._state = nnx.split(module)
-        self._logits_fn = jax.jit(functools.partial(_full_forward, self._graphdef))
-        self._mtp_fn = jax.jit(functools.partial(_mtp_forward, self._graphdef))
+        self._logits_fn = on_mesh(jax.jit(functools.partial(_full_forward, self._graphdef)), mesh)
+        self._mtp_fn = on_mesh(jax.jit(functools.partial(_mtp_forward, self._graphdef)), mesh)
         self._generators = {}
 
     @staticmethod

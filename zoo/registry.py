@@ -66,6 +66,19 @@ def embedded_path(name: str) -> Path:
     return Path(str(resources.files("zoo").joinpath("assets", name)))
 
 
+def local_checkpoint(spec: ModelSpec) -> Path | None:
+    """The spec's checkpoint if it is on this machine already (embedded, or in the HF cache)."""
+    if spec.embedded:
+        return embedded_path(spec.embedded)
+    if spec.hf_repo:
+        from huggingface_hub import snapshot_download
+        try:
+            return Path(snapshot_download(spec.hf_repo, allow_patterns=list(HF_PATTERNS), local_files_only=True))
+        except Exception:          # not downloaded (LocalEntryNotFoundError) or no cache at all
+            return None
+    return None
+
+
 def resolve_checkpoint(spec: ModelSpec) -> Path:
     """A local directory holding the spec's checkpoint (downloading it if needed)."""
     if spec.embedded:

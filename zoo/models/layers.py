@@ -92,7 +92,7 @@ class Linear(nnx.Module):
         self.bias = param((d_out,), (axes[1],), dtype) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.kernel.get_value())
+        y = matmul(x, self.kernel.get_value(), axes=self.kernel.axes)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y

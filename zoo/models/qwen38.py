@@ -92,7 +92,8 @@ class Qwen38(nnx.Module):
     def head(self, hidden: jax.Array) -> jax.Array:
         """Post-norm hidden [B, T, D] -> float32 logits [B, T, V] (the shared output head)."""
         w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel.get_value()
-        return matmul(hidden.astype(self.dtype), w, out_dtype=jnp.float32)
+        axes = ("embed", "vocab") if self.lm_head is None else self.lm_head.kernel.axes   # layout on a mesh
+        return matmul(hidden.astype(self.dtype), w, out_dtype=jnp.float32, axes=axes)
 
     def __call__(self, ids: jax.Array, mask: jax.Array, cache: dict, keep_steps: bool = False):
         """ids, mask [B, T] -> (logits f32 [B, T, V], post-norm hidden [B, T, D], new cache).

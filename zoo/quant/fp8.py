@@ -57,8 +57,21 @@ class Fp8Dequantized:
         return TensorInfo(np.dtype(np.float32), info.shape) if key in self._scaled else info
 
     def read(self, key: str, index=()) -> np.ndarray:
-        """The tensor (float32 if block-scaled FP8), or ``tensor[index]``."""
+        """The tensor (float32 if block-scaled FP8), or ``tensor[index]``; an index of slices reads
+        only the whole scale blocks it touches."""
         if key not in self._scaled:
             return self.inner.read(key, index)
-        w = dequantize_blocks(self.inner.read(key), self.inner.read(key + SCALE_SUFFIX), self.block, key)
-        return w[index]
+        shape = self.inner.info(key).shape
+        index = index if isinstance(index, tuple) else (index,)
+        if not index or not all(isinstance(i, slice) and i.step in (None, 1) for i in index):
+            w = dequantize_blocks(self.inner.read(key), self.inner.read(key + SCALE_SUFFIX), self.block, key)
+            return w[index]
+        index = index + (slice(None),) * (len(shape) - len(index))
+        bounds = [i.indices(d)[:2] for i, d in zip(index, shape)]
+        lead = tuple(slice(a, b) for a, b in bounds[:-2])
+        blocks = [(a // self.block, -(-b // self.block)) for a, b in bounds[-2:]]
+        w = self.inner.read(key, lead + tuple(slice(a * self.block, b * self.block) for a, b in blocks))
+        scale = self.inner.read(key + SCALE_SUFFIX, lead + tuple(slice(a, b) for a, b in blocks))
+        w = dequantize_blocks(w, scale, self.block, key)
+        return w[(...,) + tuple(slice(a - k * self.block, b - k * self.block)
+                                for (a, b), (k, _) in zip(bounds[-2:], blocks))]

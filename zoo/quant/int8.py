@@ -14,8 +14,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
 
 from zoo.api import dense_store
+from zoo.mesh import ShardingRule, partition_spec, register_sharding
 from zoo.quant.matmul import dense_matmul, register_matmul
 from zoo.quant.moe import dense_moe, register_moe
 
@@ -61,3 +64,26 @@ def int8_store(source, key: str, transform, want: jax.ShapeDtypeStruct, path: st
         return dense_store(source, key, transform, want, path)
     full = dense_store(source, key, transform, jax.ShapeDtypeStruct(want.shape, jnp.float32), path)
     return quantize_int8(full)
+
+
+# -- sharding (``zoo.mesh``): q follows the logical spec, the scales its lead and output axes ------
+
+
+def _scale_spec(spec: PartitionSpec) -> PartitionSpec:
+    spec = tuple(spec)
+    return PartitionSpec(*spec[:-2], spec[-1])
+
+
+def _cut(w: Int8Weight, index: tuple) -> Int8Weight:
+    return Int8Weight(q=np.asarray(w.q)[index], scale=np.asarray(w.scale)[(*index[:-2], index[-1])])
+
+
+register_sharding(Int8Weight, ShardingRule(
+    logical_spec=lambda w, axes, mesh: partition_spec(axes, w.shape, mesh),
+    placement_spec=lambda w, axes, shape, mesh: partition_spec(axes, tuple(shape), mesh),
+    leaf_specs=lambda w, spec: [spec, _scale_spec(spec)],
+    cut=_cut,
+    assemble=lambda w, shape, spec, mesh: Int8Weight(
+        q=jax.ShapeDtypeStruct(tuple(shape), jnp.int8),
+        scale=jax.ShapeDtypeStruct(tuple(shape[:-2]) + tuple(shape[-1:]), jnp.float32)),
+    local=lambda w, leaves, spec, mesh: Int8Weight(*leaves)))

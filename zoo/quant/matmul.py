@@ -15,6 +15,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from zoo.mesh import current_mesh
+
 # stored-weight type -> fn(x [..., in], w, out_dtype) -> [..., out]
 _MATMUL_IMPLS: dict[type, Callable] = {}
 
@@ -38,10 +40,16 @@ def dense_matmul(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     return out.astype(out_dtype)
 
 
-def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
+def matmul(x: jax.Array, w, out_dtype=None, axes=None) -> jax.Array:
     """``x [..., in] @ w [in, out] -> [..., out]``, f32 accumulation, result in ``out_dtype``
-    (default ``x.dtype``). ``w`` is a dense array or any registered stored-weight type."""
+    (default ``x.dtype``). ``w`` is a dense array or any registered stored-weight type; on a device
+    mesh a stored weight is computed per device on its shards, given its logical ``axes``
+    (``zoo.quant.sharded``; XLA partitions the dense product itself)."""
     impl = _MATMUL_IMPLS.get(type(w), dense_matmul)
+    mesh = current_mesh() if impl is not dense_matmul else None
+    if mesh is not None:
+        from zoo.quant.sharded import sharded_matmul
+        return sharded_matmul(impl, mesh, x, w, out_dtype or x.dtype, axes)
     return impl(x, w, out_dtype or x.dtype)
 
 

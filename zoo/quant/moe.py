@@ -4,7 +4,8 @@ Routed experts are stored as stacked banks, ``gate``/``up`` ``[E, D, I]`` and ``
 A dense bank (a jax array) goes to ``dense_moe``: the (token, expert) slots are sorted by expert and
 run as grouped matmuls (``jax.lax.ragged_dot``); any other stored-bank type (``QArray`` planes, int8
 with scales, ...) registers its implementation with ``register_moe`` and the model files never look
-at the storage format (as ``zoo.quant.matmul`` does for plain linear layers).
+at the storage format (as ``zoo.quant.matmul`` does for plain linear layers). Under a device mesh
+(``jax.set_mesh``) the chosen implementation runs per device on its bank shards.
 
 Every expert is a clamped SwiGLU: ``down(silu(min(gate, L)) * clip(up, -L, L))`` (no clamp when
 ``limit`` is None).
@@ -17,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from zoo.mesh import current_mesh
 from zoo.quant.matmul import precision_for
 
 # stored-bank type -> fn(x [N, D], weights [N, k], ids [N, k], gate, up, down, limit) -> [N, D]
@@ -67,6 +69,11 @@ def dense_moe(x, weights, ids, gate_bank, up_bank, down_bank, limit):
 
 
 def moe(x, weights, ids, gate_bank, up_bank, down_bank, limit: float | None):
-    """``sum_k weights[:, k] * expert_{ids[:, k]}(x)`` for x [N, D] (see module docstring)."""
+    """``sum_k weights[:, k] * expert_{ids[:, k]}(x)`` for x [N, D] (see module docstring); on a
+    device mesh, each device runs its shards of the banks (``zoo.quant.sharded``)."""
     impl = _MOE_IMPLS.get(type(gate_bank), dense_moe)
+    mesh = current_mesh()
+    if mesh is not None:
+        from zoo.quant.sharded import sharded_moe
+        return sharded_moe(impl, mesh, x, weights, ids, gate_bank, up_bank, down_bank, limit)
     return impl(x, weights, ids, gate_bank, up_bank, down_bank, limit)

@@ -1,8 +1,9 @@
 """Memory planner: bytes per tensor, per tensor class and per device, from a config and a recipe
-alone (no download).
+alone (no download), or from a GGUF header.
 
-    plan(name, quant=..., devices=8) -> Plan     a registry name: its config preset + a recipe
+    plan(name, quant=..., devices=8, layout="tp") -> Plan   a registry name: its preset + a recipe
     plan_config(cfg, recipe, devices) -> Plan    any config (e.g. a test-local one)
+    plan_gguf(path, devices) -> Plan             a local GGUF's header: its tensors as stored
 
 The tensor inventory of an architecture is written in llama.cpp's GGUF names and numpy-order
 shapes (matrices ``[out, in]``, expert banks ``[E, out, in]``); the tests check it against real
@@ -11,11 +12,12 @@ GGUF files. Each tensor gets a storage kind from the recipe (``zoo.quant.recipes
 * a ggml type: the GGUF payload (``zoo.quant.ggml.tensor_nbytes``);
 * ``"FP8"``: one byte per weight plus an f32 scale per 128x128 block (per expert for banks).
 
-Per device (``devices`` chips): routed-expert banks are split as REFERENCE.md section 4 describes
-(gate/up by output rows, down by input blocks; every chip holds a slice of every expert) and
-counted in the plane layout of that slice (``zoo.quant.planes.plane_nbytes``, which adds the
-packing padding of the f16/u16 fields); every other tensor of rank >= 2 is split evenly; vectors
-are replicated on every chip.
+Per device (``devices`` chips in a ``zoo.mesh`` layout, "tp" or "ep"): every tensor is split as
+``zoo.load(..., mesh=...)`` places it (``zoo.quant.plan_mesh``): in "tp" the routed-expert banks
+are split as REFERENCE.md section 4 describes (gate/up by output rows, down by input blocks; every
+chip holds a slice of every expert), in "ep" by expert over ``ep`` and by width over ``tp``; a
+quantized bank is counted in the plane layout of one device's slice (``plane_nbytes``, which adds
+the packing padding of the f16/u16 fields); what the layout does not split is replicated.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from zoo.quant.ggml import LAYOUTS, QType, tensor_nbytes
-from zoo.quant.planes import plane_nbytes
+from zoo.quant.plan_mesh import per_device_bytes, plan_mesh
 from zoo.quant.recipes import Recipe, get_recipe
 
 FP8_BLOCK = 128
@@ -63,6 +65,7 @@ class Plan:
     recipe: str
     devices: int
     tensors: tuple[TensorPlan, ...]
+    layout: str = "tp"
 
     @property
     def by_class(self) -> dict[str, int]:
@@ -92,8 +95,20 @@ class Plan:
         """Whether the weights fit ``budget_bytes`` per device (caches and activations not counted)."""
         return self.per_device_bytes <= budget_bytes
 
+    def to_dict(self, budget_bytes: int | None = None) -> dict:
+        """The plan as JSON-ready data (with ``fits`` when a budget is given)."""
+        out = {"model": self.model, "recipe": self.recipe, "devices": self.devices, "layout": self.layout,
+               "total_bytes": self.total_bytes, "per_device_bytes": self.per_device_bytes,
+               "by_class": self.by_class, "by_kind": self.by_kind,
+               "tensors": [{"name": t.tensor.name, "shape": list(t.tensor.shape), "class": t.tensor.cls,
+                            "kind": t.kind, "bytes": t.nbytes, "per_device_bytes": t.per_device_bytes}
+                           for t in self.tensors]}
+        if budget_bytes is not None:
+            out.update(budget_bytes=budget_bytes, fits=self.fits(budget_bytes))
+        return out
+
     def summary(self) -> str:
-        rows = [f"{self.model} / {self.recipe} on {self.devices} device(s)"]
+        rows = [f"{self.model} / {self.recipe} on {self.devices} device(s), layout {self.layout}"]
         rows += [f"  {cls:18s} {n / 1e9:10.3f} GB" for cls, n in sorted(self.by_class.items())]
         rows.append(f"  {'total':18s} {self.total_bytes / 1e9:10.3f} GB, "
                     f"{self.per_device_bytes / 1e9:.3f} GB per device")
@@ -246,23 +261,16 @@ def _nbytes(shape: tuple[int, ...], kind: str) -> int:
     return tensor_nbytes(QType[kind], shape)
 
 
-def _per_device(t: Tensor, kind: str, nbytes: int, devices: int) -> int:
-    if len(t.shape) < 2:
-        return nbytes
-    if t.expert_bank and kind in QType.__members__ and LAYOUTS[QType[kind]].block_size > 1:
-        e, rows, cols = t.shape
-        n_blocks = cols // LAYOUTS[QType[kind]].block_size
-        if "_down_" in t.name:   # split by input blocks
-            return e * plane_nbytes(QType[kind], rows, -(-n_blocks // devices))
-        return e * plane_nbytes(QType[kind], -(-rows // devices), n_blocks)   # gate/up: by output rows
-    return -(-nbytes // devices)
-
-
-def plan_config(cfg, recipe: str | Recipe, devices: int = 8, model: str | None = None) -> Plan:
-    """The plan of ``cfg`` (a config object with ``arch``) under ``recipe`` on ``devices`` chips."""
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+def _mesh(devices: int, layout: str):
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
+    return plan_mesh(layout, devices)
+
+
+def plan_config(cfg, recipe: str | Recipe, devices: int = 8, model: str | None = None, layout: str = "tp") -> Plan:
+    """The plan of ``cfg`` (a config object with ``arch``) under ``recipe`` on ``devices`` chips."""
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    mesh = _mesh(devices, layout)
     try:
         inventory = INVENTORIES[cfg.arch](cfg)
     except KeyError:
@@ -271,11 +279,38 @@ def plan_config(cfg, recipe: str | Recipe, devices: int = 8, model: str | None =
     for t in inventory:
         kind = _kind(t, recipe)
         nbytes = _nbytes(t.shape, kind)
-        tensors.append(TensorPlan(t, kind, nbytes, _per_device(t, kind, nbytes, devices)))
-    return Plan(model or cfg.arch, recipe.name, devices, tuple(tensors))
+        tensors.append(TensorPlan(t, kind, nbytes, per_device_bytes(t.name, t.shape, kind, nbytes, mesh)))
+    return Plan(model or cfg.arch, recipe.name, devices, tuple(tensors), layout)
 
 
-def plan(name: str, *, quant: str, devices: int = 8) -> Plan:
+def plan_gguf(path, devices: int = 8, quant: str | None = None, layout: str = "tp") -> Plan:
+    """The plan of a GGUF file (or split set) from its header alone: every tensor as stored (its own
+    ggml type and bytes; ``quant=None``), or the file's model under a recipe. Classes come from the
+    architecture's inventory; a tensor it does not list is class ``"other"``."""
+    from pathlib import Path
+
+    from zoo.quant.gguf import GGUFSource
+    from zoo.quant.gguf_model import config_from_gguf
+
+    src = GGUFSource(path)
+    cfg = config_from_gguf(src)
+    name = Path(src.files[0]).name
+    if quant is not None:
+        return plan_config(cfg, quant, devices, name, layout)
+    mesh = _mesh(devices, layout)
+    known = {t.name: t for t in INVENTORIES[cfg.arch](cfg)}
+    tensors = []
+    for key in src.keys():
+        info = src.info(key)
+        listed = known.get(key)
+        t = Tensor(key, info.shape, listed.cls if listed else "other",
+                   listed.matmul if listed else len(info.shape) >= 2)
+        tensors.append(TensorPlan(t, info.qtype.name, info.nbytes,
+                                  per_device_bytes(key, info.shape, info.qtype.name, info.nbytes, mesh)))
+    return Plan(name, "as stored", devices, tuple(tensors), layout)
+
+
+def plan(name: str, *, quant: str, devices: int = 8, layout: str = "tp") -> Plan:
     """``zoo.plan``: the plan of a registry model's config preset (``configs/``) under a recipe."""
     from zoo import registry
     from zoo.config import config_from_hf
@@ -284,4 +319,4 @@ def plan(name: str, *, quant: str, devices: int = 8) -> Plan:
     if spec.preset is None:
         raise ValueError(f"model {name!r} has no config preset to plan from")
     path = registry.preset_path(spec.preset)
-    return plan_config(config_from_hf(json.loads(path.read_text()), source=str(path)), quant, devices, name)
+    return plan_config(config_from_hf(json.loads(path.read_text()), source=str(path)), quant, devices, name, layout)

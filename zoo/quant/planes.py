@@ -15,6 +15,11 @@ for the f16 ``d`` / u16 ``scales_h``, 4 for MXFP4's one-byte ``e``) and ``w = k 
 A row whose block count is not a multiple of ``k`` is padded with zero bytes, so storage equals the
 GGUF payload except for that padding (``plane_nbytes``).
 
+``in_splits`` S > 1 packs the row's blocks as S equal parts, each on its own, concatenated along the
+word axis (``[*lead, S * n_words(part), rows]``): a matrix split by input blocks over S devices
+(REFERENCE.md section 4, ``down`` split by input blocks) then gives every device whole word groups
+of its own blocks, padded per part like a matrix of ``n_blocks / S`` blocks.
+
 ``to_planes`` runs on the host (numpy, at load); ``from_planes`` is jnp and works inside ``jit``
 (the on-the-fly dequantizing matmul rebuilds blocks from planes and reuses ``zoo.quant.dequant``).
 """
@@ -43,9 +48,18 @@ def plane_words(field: Field, n_blocks: int) -> int:
     return -(-n_blocks // k) * (k * field.nbytes // 4)
 
 
-def plane_shapes(qtype: QType, lead: tuple[int, ...], rows: int, n_blocks: int) -> dict[str, tuple[int, ...]]:
-    """{field: plane shape} for ``lead`` x ``rows`` rows of ``n_blocks`` blocks of ``qtype``."""
-    return {f.name: (*lead, plane_words(f, n_blocks), rows) for f in LAYOUTS[qtype].fields}
+def _part_blocks(n_blocks: int, in_splits: int) -> int:
+    if in_splits < 1 or n_blocks % in_splits:
+        raise ValueError(f"{n_blocks} blocks per row cannot be packed as {in_splits} equal parts")
+    return n_blocks // in_splits
+
+
+def plane_shapes(qtype: QType, lead: tuple[int, ...], rows: int, n_blocks: int,
+                 in_splits: int = 1) -> dict[str, tuple[int, ...]]:
+    """{field: plane shape} for ``lead`` x ``rows`` rows of ``n_blocks`` blocks of ``qtype``, packed
+    as ``in_splits`` parts."""
+    part = _part_blocks(n_blocks, in_splits)
+    return {f.name: (*lead, in_splits * plane_words(f, part), rows) for f in LAYOUTS[qtype].fields}
 
 
 def plane_nbytes(qtype: QType, rows: int, n_blocks: int) -> int:
@@ -53,9 +67,14 @@ def plane_nbytes(qtype: QType, rows: int, n_blocks: int) -> int:
     return 4 * rows * sum(plane_words(f, n_blocks) for f in LAYOUTS[qtype].fields)
 
 
-def to_planes(data: np.ndarray, qtype: QType) -> dict[str, np.ndarray]:
-    """GGUF rows of blocks ``uint8 [*lead, rows, row_bytes]`` -> {field: ``uint32 [*lead, n_words, rows]``}."""
+def to_planes(data: np.ndarray, qtype: QType, in_splits: int = 1) -> dict[str, np.ndarray]:
+    """GGUF rows of blocks ``uint8 [*lead, rows, row_bytes]`` -> {field: ``uint32 [*lead, n_words, rows]``}
+    (``in_splits`` parts of the row packed one by one, see the module docstring)."""
     layout = LAYOUTS[qtype]
+    if in_splits != 1:
+        part_bytes = _part_blocks(data.shape[-1] // layout.type_size, in_splits) * layout.type_size
+        parts = [to_planes(data[..., i * part_bytes:(i + 1) * part_bytes], qtype) for i in range(in_splits)]
+        return {f.name: np.concatenate([p[f.name] for p in parts], axis=-2) for f in layout.fields}
     *lead, rows, row_bytes = data.shape
     if data.dtype != np.uint8 or row_bytes % layout.type_size:
         raise ValueError(f"{qtype.name}: expected uint8 rows of whole {layout.type_size}-byte blocks, got "
@@ -74,9 +93,15 @@ def to_planes(data: np.ndarray, qtype: QType) -> dict[str, np.ndarray]:
     return planes
 
 
-def from_planes(planes: dict[str, jax.Array], qtype: QType, n_blocks: int) -> jax.Array:
+def from_planes(planes: dict[str, jax.Array], qtype: QType, n_blocks: int, in_splits: int = 1) -> jax.Array:
     """Inverse of ``to_planes`` (jnp): planes -> ``uint8 [*lead, rows, n_blocks * type_size]``."""
     layout = LAYOUTS[qtype]
+    if in_splits != 1:                 # the parts as one more lead axis, then rows of parts side by side
+        part = _part_blocks(n_blocks, in_splits)
+        split = {k: p.reshape(*p.shape[:-2], in_splits, p.shape[-2] // in_splits, p.shape[-1])
+                 for k, p in planes.items()}
+        rows = jnp.moveaxis(from_planes(split, qtype, part), -3, -2)      # [*lead, rows, S, part bytes]
+        return rows.reshape(*rows.shape[:-2], n_blocks * layout.type_size)
     parts = []
     for f in layout.fields:
         words = jnp.swapaxes(planes[f.name], -1, -2)               # [*lead, rows, n_words]

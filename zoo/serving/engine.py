@@ -19,7 +19,6 @@ otherwise the request waits, so concurrency is limited by cache memory, not by a
 from __future__ import annotations
 
 import collections
-import functools
 import os
 import threading
 import time
@@ -31,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zoo.mesh import on_mesh
+from zoo.models.cache_axes import shard_cache
 from zoo.serving import speculative
 from zoo.serving.sampling import sample
 
@@ -61,6 +62,7 @@ class Request:
     stop_strings: tuple = ()
     on_tokens: Callable[["Request", list[int]], None] | None = None   # called from the engine thread
     on_finish: Callable[["Request"], None] | None = None   # called once from the engine thread, after done
+    on_admit: Callable[["Request"], None] | None = None    # engine thread: it got a row, its prefill starts
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: dict = field(default_factory=dict)
@@ -97,6 +99,12 @@ def _row_keys(params: dict) -> jax.Array:
     return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params["seed"], params["step"])
 
 
+def _first_token(logits: jax.Array, params: dict) -> jax.Array:
+    """The token sampled from the prefill's last logits (PRNG step 0)."""
+    keys = _row_keys({**params, "step": jnp.zeros_like(params["step"])})
+    return sample(logits, keys, params["temperature"], params["top_k"], params["top_p"])
+
+
 class Generator:
     """Continuous-batching engine over ``model`` (a ``zoo.Model``); ``spec_tokens`` k > 0 drafts k
     tokens per step with the model's MTP head."""
@@ -119,6 +127,7 @@ class Generator:
         self._rows: list[Request | None] = []
         self._batch = None
         self._B = self._L = 0
+        self._cache_bytes: dict[tuple[int, int], int] = {}
         self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
         self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(5,))
         self._insert_fn = jax.jit(lambda batch, row, r: jax.tree.map(
@@ -126,11 +135,14 @@ class Generator:
             donate_argnums=(0,))
         self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
         self._grow_fn = jax.jit(_embed, donate_argnums=(1,))
+        self._first_fn = jax.jit(_first_token)     # eager sampling would recompile its cond per request
+        for name in ("_step_fn", "_prefill_fn", "_insert_fn", "_empty_fn", "_grow_fn", "_first_fn"):
+            setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
 
     # -- device programs ----------------------------------------------------------------------
     def _empty_impl(self, rows: int, length: int) -> dict:
         model = nnx.merge(self._graphdef, self._state)
-        cache = model.init_cache(rows, length)
+        cache = shard_cache(model.init_cache(rows, length))
         if not self.k:
             cache.pop("mtp", None)
         d = model.config.hidden_size
@@ -147,7 +159,7 @@ class Generator:
         logits, hidden, cache = model(ids, mask, cache)
         if self.k:
             _, _, cache = model.mtp_forward(hidden, next_ids, next_mask, cache)
-        return logits[:, -1], hidden[:, -1], cache
+        return logits[:, -1], hidden[:, -1], shard_cache(cache)
 
     def _step_impl(self, state, batch, active):
         model = nnx.merge(self._graphdef, state)
@@ -162,12 +174,15 @@ class Generator:
             carry = {"tok": jnp.where(active, new, tok)}
             tokens, n = new[:, None], active.astype(jnp.int32)
         params = {**params, "step": params["step"] + active.astype(jnp.int32)}
-        return {"cache": cache, "carry": carry, "params": params}, tokens, n
+        return {"cache": shard_cache(cache), "carry": carry, "params": params}, tokens, n
 
     # -- admission ----------------------------------------------------------------------------
     def cache_bytes(self, rows: int, length: int) -> int:
-        shapes = jax.eval_shape(lambda: self._empty_impl(rows, length))
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        """Bytes of the batch state (cache, carry, params) for ``rows`` x ``length`` slots."""
+        if (rows, length) not in self._cache_bytes:
+            shapes = jax.eval_shape(lambda: self._empty_impl(rows, length))
+            self._cache_bytes[rows, length] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        return self._cache_bytes[rows, length]
 
     def _need(self, req: Request) -> int:
         """Token slots a request occupies: its padded prompt, its new tokens, the verify overshoot."""
@@ -193,6 +208,8 @@ class Generator:
             self._B, self._L = rows, length
         r = self._rows.index(None)
         self._rows[r] = req
+        if req.on_admit is not None:
+            req.on_admit(req)
         self._prefill_into(req, r)
         return True
 
@@ -213,8 +230,7 @@ class Generator:
         params = {"temperature": jnp.float32([req.temperature]), "top_k": jnp.int32([req.top_k]),
                   "top_p": jnp.float32([req.top_p]), "seed": jnp.uint32([req.seed & 0xFFFFFFFF]),
                   "step": jnp.int32([1])}
-        first = sample(logits, _row_keys({**params, "step": jnp.int32([0])}), params["temperature"],
-                       params["top_k"], params["top_p"])
+        first = self._first_fn(logits, params)
         if self.k:
             h = jnp.zeros((1, self.k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
             tok = jnp.zeros((1, self.k + 1), jnp.int32).at[:, 0].set(first)
@@ -344,14 +360,14 @@ class Generator:
 
     # -- Python API ---------------------------------------------------------------------------
     def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
-                     top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None) -> Request:
+                     top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None) -> Request:
         stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
         strings = tuple(s for s in stop if isinstance(s, str))
         if strings and self.model.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         ids = frozenset(int(s) for s in stop if not isinstance(s, str)) | self.eos_token_ids
         return Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
-                       int(top_k), int(seed), ids, strings, on_tokens, on_finish)
+                       int(top_k), int(seed), ids, strings, on_tokens, on_finish, on_admit)
 
     def generate(self, input_ids, **kwargs) -> list[Generation]:
         reqs = [self.submit(self.make_request(p, **kwargs)) for p in input_ids]

@@ -1,0 +1,94 @@
+"""Random HF checkpoints of any tiny config, written with numpy alone (no torch): every parameter of
+the zoo model, under its on-disk HF name and layout, with a realistic spread of values.
+
+The on-disk name of a parameter is its path with the inverse of the architecture's name map applied
+(``NAMES`` below); ``zoo.load`` then checks that every parameter was found.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from zoo.config import config_from_hf
+from zoo.models import arch
+
+# parameter path -> (on-disk name, layout): "T" stored [out, in], "conv" stored [C, 1, K],
+# "experts" one [out, in] tensor per expert, None as is. First match wins.
+NAMES: tuple[tuple[str, str, str | None], ...] = (
+    (r"embed_tokens\.embedding", r"model.embed_tokens.weight", None),
+    (r"lm_head\.kernel", r"lm_head.weight", "T"),
+    (r"(layers\.\d+)\.(attn|ffn)_hc\.(fn|base|scale)", r"model.\1.hc_\2_\3", None),
+    (r"(layers\.\d+)\.self_attn\.(q|k|v)_conv", r"model.\1.self_attn.\2_conv1d.weight", "conv"),
+    (r"(layers\.\d+)\.linear_attn\.conv_weight", r"model.\1.linear_attn.conv1d.weight", "conv"),
+    (r"(.*)\.self_attn\.kv_b", r"model.\1.self_attn.kv_b_proj.weight", "T"),
+    (r"(.*)\.indexer\.compress_gate\.kernel", r"model.\1.indexer.index_kpool_compress_gate", "T"),
+    (r"(.*)\.indexer\.compress_ape", r"model.\1.indexer.index_kpool_compress_ape", None),
+    (r"(.*)\.mlp\.router\.weight", r"model.\1.mlp.gate.weight", "T"),
+    (r"(.*)\.mlp\.router\.correction_bias", r"model.\1.mlp.gate.e_score_correction_bias", None),
+    (r"(.*)\.mlp\.experts\.(gate|up|down)_kernel", r"model.\1.mlp.experts.{e}.\2_proj.weight", "experts"),
+    (r"(.*)\.(A_log|dt_bias)", r"model.\1.\2", None),
+    (r"(.*)\.kernel", r"model.\1.weight", "T"),
+    (r"(.*)", r"model.\1", None),
+)
+
+
+def _value(path: str, shape: tuple[int, ...], rng: np.random.Generator, zero_centered: bool) -> np.ndarray:
+    """A parameter-layout value with the spread its role has in a trained model."""
+    normal = lambda scale, mean=0.0: (mean + scale * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf == "A_log":
+        return np.log(rng.uniform(0.5, 4.0, shape)).astype(np.float32)
+    if leaf == "dt_bias":
+        return normal(1.0, -2.0)
+    if leaf in ("base", "compress_ape", "bias"):
+        return normal(0.5)
+    if leaf == "scale":
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    if leaf == "correction_bias":
+        return normal(0.2)
+    if leaf == "embedding":
+        return normal(1.0)
+    if leaf.endswith("_conv") or leaf == "conv_weight":
+        return normal(shape[0] ** -0.5)
+    if len(shape) == 1:
+        return normal(0.1) if zero_centered else normal(0.2, 1.0)
+    return normal(shape[-2] ** -0.5)               # [.., in, out]: N(0, 1/fan_in)
+
+
+def _on_disk(path: str, value: np.ndarray) -> dict[str, np.ndarray]:
+    for pattern, name, layout in NAMES:
+        m = re.fullmatch(pattern, path)
+        if m is None:
+            continue
+        name = m.expand(name)
+        if layout == "T":
+            return {name: np.ascontiguousarray(value.T)}
+        if layout == "conv":
+            return {name: np.ascontiguousarray(value.T[:, None, :])}
+        if layout == "experts":
+            return {name.format(e=e): np.ascontiguousarray(w.T) for e, w in enumerate(value)}
+        return {name: value}
+    raise AssertionError(path)
+
+
+def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (float32) of a random model into ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = config_from_hf(config)
+    abstract = nnx.eval_shape(lambda: arch(cfg.arch).model_class()(cfg))
+    rng = np.random.default_rng(seed)
+    zero_centered = cfg.arch == "qwen35"
+    tensors: dict[str, np.ndarray] = {}
+    for p, var in nnx.to_flat_state(nnx.state(abstract)):
+        name = ".".join(map(str, p))
+        tensors.update(_on_disk(name, _value(name, tuple(var.get_value().shape), rng, zero_centered)))
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
