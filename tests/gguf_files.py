@@ -10,6 +10,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gq
 
 from zoo.quant.ggml import QType
+from zoo.quant.gguf import GGUFSource
 
 
 def metadata_of(path: Path) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:
@@ -48,3 +49,15 @@ def write_gguf(path: Path, arch: str, metadata, tensors: dict[str, tuple[np.ndar
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(Path(path))[0]
+
+
+def dequantized(src: GGUFSource, key: str) -> np.ndarray:
+    """The oracle: a tensor's values as gguf's numpy dequantizer gives them (floats: converted)."""
+    info = src.info(key)
+    data = src.read(key)
+    return gq.dequantize(data, info.qtype) if info.quantized else data.astype(np.float32)
+
+
+def write_dense_copy(src: GGUFSource, path: Path, metadata) -> Path:
+    """Every tensor of ``src`` as F32 holding gguf-dequantized values."""
+    return write_gguf(path, src.architecture, metadata, {k: (dequantized(src, k), QType.F32) for k in src.keys()})

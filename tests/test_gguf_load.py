@@ -17,7 +17,7 @@ from gguf import quants as gq
 
 import zoo
 from tests import qwen_reference as ref
-from tests.gguf_files import metadata_of, write_gguf
+from tests.gguf_files import dequantized, metadata_of, write_dense_copy, write_gguf
 from tests.helpers import rel_err
 from zoo.quant.ggml import QType
 from zoo.quant.gguf import GGUFSource
@@ -28,18 +28,6 @@ DATA = Path(__file__).parent / "data"
 Q256 = DATA / "qwen38-q256-udmix.gguf"
 TINY_MTP = DATA / "qwen38-tiny-mtp-f32.gguf"
 GLM = DATA / "glm53-q256-udmix.gguf"
-
-
-def dequantized(src: GGUFSource, key: str) -> np.ndarray:
-    """The oracle: a tensor's values as gguf's numpy dequantizer gives them (floats: converted)."""
-    info = src.info(key)
-    data = src.read(key)
-    return gq.dequantize(data, info.qtype) if info.quantized else data.astype(np.float32)
-
-
-def write_dense_copy(src: GGUFSource, path: Path, metadata) -> Path:
-    """Every tensor of ``src`` as F32 holding gguf-dequantized values."""
-    return write_gguf(path, src.architecture, metadata, {k: (dequantized(src, k), QType.F32) for k in src.keys()})
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +58,8 @@ def test_storage_follows_each_tensors_own_type(q256):
     assert not isinstance(model.module.embed_tokens.embedding.get_value(), QArray)   # gathered by row: dense
     assert model.config.num_hidden_layers == 4 and model.config.linear_num_value_heads == 12
     info = model.load_info
-    assert info["source"] == "gguf" and info["dtype"] == "float32" and info["unused_tensors"] == []
+    assert (info["source"], info["format"], info["dtype"]) == ("source", "gguf", "float32")
+    assert info["unused_tensors"] == []
     assert model.tokenizer is not None and model.tokenizer.vocab_size == 512
 
 
@@ -211,7 +200,7 @@ def test_bf16_recipe_stores_everything_dense():
 def test_recipe_errors():
     with pytest.raises(ValueError, match="unknown quantization recipe 'Q9'; known: .*Q8_0.*UD-IQ3_XXS.*bf16"):
         zoo.load(TINY_MTP, quant="Q9")
-    with pytest.raises(NotImplementedError, match="UD-IQ3_XXS.*two sources"):
+    with pytest.raises(ValueError, match="UD-IQ3_XXS.*from a GGUF and the rest from the original checkpoint"):
         zoo.load(TINY_MTP, quant="UD-IQ3_XXS")
     with pytest.raises(ValueError, match="stores weights as bfloat16"):
         zoo.load(TINY_MTP, quant="bf16", dtype="float32")

@@ -3,6 +3,7 @@ GLM-5.3-Flash (REFERENCE.md section 3), and the Plan API."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from zoo import registry
 from zoo.config import config_from_hf
 from zoo.quant.gguf import GGUFSource
 from zoo.quant.gguf_model import config_from_gguf
-from zoo.quant.plan import INVENTORIES, plan_config
+from zoo.quant.plan import INVENTORIES, plan_config, plan_gguf
 
 DATA = Path(__file__).parent / "data"
 
@@ -108,3 +109,29 @@ def test_zoo_plan_of_a_registry_model():
         zoo.plan("qwen38-27b", quant="Q1")
     with pytest.raises(ValueError, match="devices must be >= 1"):
         zoo.plan("qwen38-27b", quant="bf16", devices=0)
+
+
+@pytest.mark.parametrize("name", ["glm53-q256-udmix.gguf", "qwen38-q256-udmix.gguf"])
+def test_plan_of_a_gguf_header_is_its_tensors_as_stored(name):
+    src = GGUFSource(DATA / name)
+    plan = plan_gguf(DATA / name, devices=2)
+    assert plan.recipe == "as stored" and "other" not in plan.by_class
+    assert {t.tensor.name: (t.kind, t.nbytes) for t in plan.tensors} == {
+        k: (src.info(k).qtype.name, src.info(k).nbytes) for k in src.keys()}
+    assert plan.per_device_bytes < plan.total_bytes
+    assert plan_gguf(DATA / name, devices=2, quant="bf16").by_kind.keys() == {"BF16"}
+
+
+def test_plan_cli(capsys):
+    from zoo.cli import main
+
+    args = ["plan", "glm53-flash", "--quant", "UD-IQ3_XXS", "--devices", "8"]
+    assert main(args + ["--json", "--budget-gb", "16.9"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["by_class"]["routed_experts"] == ROUTED_EXPERT_BYTES and doc["fits"] is True
+    assert main(args + ["--budget-gb", "13"]) == 1
+    assert "fits 13 GB per device: no" in capsys.readouterr().out
+    assert main(["plan", str(DATA / "glm53-q256-udmix.gguf"), "--devices", "2"]) == 0
+    assert "glm53-q256-udmix.gguf / as stored on 2 device(s)" in capsys.readouterr().out
+    assert main(["plan", "glm53-flash"]) == 2
+    assert "--quant RECIPE is required" in capsys.readouterr().err

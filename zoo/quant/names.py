@@ -19,9 +19,10 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 
-def _hf_conv(w: np.ndarray) -> np.ndarray:
-    """HF depthwise conv weight ``[C, 1, K]`` -> ``[K, C]``."""
-    return np.ascontiguousarray(w.reshape(w.shape[0], w.shape[-1]).T)
+def _conv(w: np.ndarray) -> np.ndarray:
+    """A depthwise conv weight stored channels first, with or without unit dims (HF ``[C, 1, K]``,
+    GGUF ``[C, K]``, ``[C, 1, K]`` or ``[1, C, 1, K]`` by llama.cpp version) -> ``[K, C]``."""
+    return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)
 
 
 def _a_log_from_ssm_a(w: np.ndarray) -> np.ndarray:
@@ -31,9 +32,12 @@ def _a_log_from_ssm_a(w: np.ndarray) -> np.ndarray:
 
 TRANSFORMS: dict[str | None, Callable[[np.ndarray], np.ndarray]] = {
     None: lambda w: w,
-    "T": lambda w: np.ascontiguousarray(w.T),   # torch Linear / GGUF matrix [out, in] -> [in, out]
-    "conv": _hf_conv,
-    "conv_gguf": lambda w: np.ascontiguousarray(w.T),   # GGUF ssm_conv1d [C, K] -> [K, C]
+    # torch Linear / GGUF matrix [*lead, out, in] -> [*lead, in, out] (lead: stacked experts), for
+    # a weight consumed through zoo.quant.matmul / moe: storage may keep it quantized (a QArray)
+    "T": lambda w: np.ascontiguousarray(np.swapaxes(w, -1, -2)),
+    # the same for a matrix the model reads directly (a router, MLA's absorbed kv_b): always dense
+    "transpose": lambda w: np.ascontiguousarray(np.swapaxes(w, -1, -2)),
+    "conv": _conv,
     "minus_one": lambda w: w.astype(np.float32) - np.float32(1),   # GGUF stores (1 + w) norms
     "a_log_from_ssm_a": _a_log_from_ssm_a,
 }
@@ -129,9 +133,51 @@ class Target(NamedTuple):
         return f"{name[:start]}{index}{name[end:]}"
 
 
+def _kv_b_from_k_v(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """llama.cpp's MLA split undone: ``attn_k_b [H, C, dn]`` (each head's k part transposed) and
+    ``attn_v_b [H, dv, C]`` -> ``kv_b_proj.weight [H*(dn+dv), C]`` (per head rows ``[k_nope | v]``)."""
+    return np.ascontiguousarray(np.concatenate([np.swapaxes(k_b, 1, 2), v_b], axis=1).reshape(-1, k_b.shape[1]))
+
+
+def _kv_b_shape(k_b: tuple[int, ...], v_b: tuple[int, ...]) -> tuple[int, int]:
+    if len(k_b) != 3 or len(v_b) != 3 or k_b[0] != v_b[0] or k_b[1] != v_b[2]:
+        raise ValueError(f"attn_k_b {k_b} and attn_v_b {v_b} are not [H, C, dn] and [H, dv, C]")
+    return (k_b[0] * (k_b[2] + v_b[1]), k_b[1])
+
+
+class Combiner(NamedTuple):
+    """How the parts of a ``Join`` make one tensor: ``fn(*float32 parts)`` and ``shape(*part shapes)``
+    (which raises ``ValueError`` for parts that do not fit together)."""
+
+    fn: Callable[..., np.ndarray]
+    shape: Callable[..., tuple[int, ...]]
+
+
+COMBINERS: dict[str, Combiner] = {"kv_b_from_k_v": Combiner(_kv_b_from_k_v, _kv_b_shape)}
+
+
+@dataclass(frozen=True)
+class Join:
+    """Stored tensors that together make one tensor: ``pattern`` matches the first part's name; the
+    ``parts`` and the joined ``name`` are templates over its groups. The parts are read as float32 and
+    combined by ``COMBINERS[combine]``; the rules then map the joined name like a stored tensor
+    (``zoo.quant.views.JoinedSource`` presents it). Nothing is joined when the file already holds a
+    tensor of the joined name."""
+
+    pattern: str
+    parts: tuple[str, ...]
+    name: str
+    combine: str
+
+
 class NameMap:
-    def __init__(self, rules, strip_prefixes: tuple[str, ...] = (), ignore: tuple[str, ...] = ()):
+    """Rules (first match wins), prefixes to strip, names ignored on purpose, and ``joins``: tensors
+    the source must present joined (``Join``) before the rules apply."""
+
+    def __init__(self, rules, strip_prefixes: tuple[str, ...] = (), ignore: tuple[str, ...] = (),
+                 joins: tuple[Join, ...] = ()):
         self.rules = tuple(rules)
+        self.joins = tuple(joins)
         self.strip_prefixes = strip_prefixes
         self._compiled = [(re.compile(r.pattern), r) for r in self.rules]
         self._compiled_ignore = [re.compile(p) for p in ignore]
@@ -222,7 +268,7 @@ def qwen35_gguf_names(cfg) -> NameMap:
             Rule(rf"{src}\.attn_gate\.weight", f"{dst}.linear_attn.in_proj_z.kernel", Transform("T", v_rows)),
             Rule(rf"{src}\.ssm_beta\.weight", f"{dst}.linear_attn.in_proj_b.kernel", Transform("T", head_rows)),
             Rule(rf"{src}\.ssm_alpha\.weight", f"{dst}.linear_attn.in_proj_a.kernel", Transform("T", head_rows)),
-            Rule(rf"{src}\.ssm_conv1d\.weight", f"{dst}.linear_attn.conv_weight", Transform("conv_gguf", qkv_rows)),
+            Rule(rf"{src}\.ssm_conv1d\.weight", f"{dst}.linear_attn.conv_weight", Transform("conv", qkv_rows)),
             Rule(rf"{src}\.ssm_a", f"{dst}.linear_attn.A_log", Transform("a_log_from_ssm_a", head_rows)),
             Rule(rf"{src}\.ssm_dt\.bias", f"{dst}.linear_attn.dt_bias", Transform(None, head_rows)),
             Rule(rf"{src}\.ssm_norm\.weight", f"{dst}.linear_attn.norm.weight"),
@@ -265,12 +311,12 @@ def _glm5next_layer_rules(src: str, dst: str) -> list[Rule]:
         Rule(rf"{sa}\.(?P<n>q|k|v)_conv1d\.weight", rf"{dst}.self_attn.\g<n>_conv", "conv"),
         Rule(rf"{sa}\.(?P<n>A_log|dt_bias)", rf"{dst}.self_attn.\g<n>"),
         Rule(rf"{sa}\.(?P<n>o_norm|q_a_layernorm|kv_a_layernorm)\.weight", rf"{dst}.self_attn.\g<n>.weight"),
-        Rule(rf"{sa}\.kv_b_proj\.weight", rf"{dst}.self_attn.kv_b", "T"),
+        Rule(rf"{sa}\.kv_b_proj\.weight", rf"{dst}.self_attn.kv_b", "transpose"),
         Rule(rf"{ix}\.(?P<n>wq_b|wk|weights_proj)\.weight", rf"{dst}.self_attn.indexer.\g<n>.kernel", "T"),
         Rule(rf"{ix}\.k_norm\.(?P<n>weight|bias)", rf"{dst}.self_attn.indexer.k_norm.\g<n>"),
         Rule(rf"{ix}\.index_kpool_compress_gate", rf"{dst}.self_attn.indexer.compress_gate.kernel", "T"),
         Rule(rf"{ix}\.index_kpool_compress_ape", rf"{dst}.self_attn.indexer.compress_ape"),
-        Rule(rf"{mlp}\.gate\.weight", rf"{dst}.mlp.router.weight", "T"),
+        Rule(rf"{mlp}\.gate\.weight", rf"{dst}.mlp.router.weight", "transpose"),
         Rule(rf"{mlp}\.gate\.e_score_correction_bias", rf"{dst}.mlp.router.correction_bias"),
         Rule(rf"{mlp}\.experts\.(?P<e>\d+)\.(?P<n>gate|up|down)_proj\.weight",
              rf"{dst}.mlp.experts.\g<n>_kernel", "T", index="e"),
@@ -309,7 +355,82 @@ def glm5next_hf(cfg) -> NameMap:
     return _glm5next_hf(cfg.num_hidden_layers)
 
 
+# llama.cpp's ``glm5next`` block: GGUF name after ``blk.N.`` -> parameter after the layer prefix,
+# layout transform. KDA and MLA layers share ``attn_output`` (o_proj); ``attn_kv_b`` is joined from
+# ``attn_k_b`` + ``attn_v_b`` (``GLM5NEXT_JOINS``); expert banks are stacked ``[E, out, in]``.
+_GLM5NEXT_BLOCK = (
+    (r"hc_(?P<s>attn|ffn)_(?P<n>fn|base|scale)\.weight", r"\g<s>_hc.\g<n>", None),
+    (r"attn_norm\.weight", "input_layernorm.weight", None),
+    (r"ffn_norm\.weight", "post_attention_layernorm.weight", None),
+    (r"attn_(?P<p>q|k|v)\.weight", r"self_attn.\g<p>_proj.kernel", "T"),
+    (r"ssm_conv1d_(?P<p>q|k|v)\.weight", r"self_attn.\g<p>_conv", "conv"),
+    (r"ssm_(?P<p>f_a|f_b|g_a|g_b)\.weight", r"self_attn.\g<p>_proj.kernel", "T"),
+    (r"ssm_beta\.weight", "self_attn.b_proj.kernel", "T"),
+    (r"ssm_a", "self_attn.A_log", "a_log_from_ssm_a"),
+    (r"ssm_dt\.bias", "self_attn.dt_bias", None),
+    (r"ssm_norm\.weight", "self_attn.o_norm.weight", None),
+    (r"attn_output\.weight", "self_attn.o_proj.kernel", "T"),
+    (r"attn_q_a\.weight", "self_attn.q_a_proj.kernel", "T"),
+    (r"attn_kv_a_mqa\.weight", "self_attn.kv_a_proj_with_mqa.kernel", "T"),
+    (r"attn_q_a\.bias", "self_attn.q_a_proj.bias", None),
+    (r"attn_kv_a_mqa\.bias", "self_attn.kv_a_proj_with_mqa.bias", None),
+    (r"attn_output\.bias", "self_attn.o_proj.bias", None),
+    (r"attn_q_a_norm\.weight", "self_attn.q_a_layernorm.weight", None),
+    (r"attn_q_b\.weight", "self_attn.q_b_proj.kernel", "T"),
+    (r"attn_kv_a_norm\.weight", "self_attn.kv_a_layernorm.weight", None),
+    (r"attn_kv_b\.weight", "self_attn.kv_b", "transpose"),
+    (r"indexer\.attn_q_b\.weight", "self_attn.indexer.wq_b.kernel", "T"),
+    (r"indexer\.attn_k\.weight", "self_attn.indexer.wk.kernel", "T"),
+    (r"indexer\.k_norm\.(?P<n>weight|bias)", r"self_attn.indexer.k_norm.\g<n>", None),
+    (r"indexer\.proj\.weight", "self_attn.indexer.weights_proj.kernel", "T"),
+    (r"indexer_compressor_gate\.weight", "self_attn.indexer.compress_gate.kernel", "T"),
+    (r"indexer_compressor_ape\.weight", "self_attn.indexer.compress_ape", None),
+    (r"ffn_gate_inp\.weight", "mlp.router.weight", "transpose"),
+    (r"exp_probs_b\.bias", "mlp.router.correction_bias", None),
+    (r"ffn_(?P<p>gate|up|down)_exps\.weight", r"mlp.experts.\g<p>_kernel", "T"),
+    (r"ffn_(?P<p>gate|up|down)_shexp\.weight", r"mlp.shared_experts.\g<p>_proj.kernel", "T"),
+    (r"ffn_(?P<p>gate|up|down)\.weight", r"mlp.\g<p>_proj.kernel", "T"),
+)
+GLM5NEXT_JOINS = (Join(r"(?P<b>blk\.\d+)\.attn_k_b\.weight", (r"\g<b>.attn_k_b.weight", r"\g<b>.attn_v_b.weight"),
+                       r"\g<b>.attn_kv_b.weight", "kv_b_from_k_v"),)
+
+
+@functools.lru_cache(maxsize=None)
+def _glm5next_gguf(num_hidden_layers: int) -> NameMap:
+    def block(src: str, dst: str) -> list[Rule]:
+        return [Rule(rf"{src}\.{pattern}", f"{dst}.{target}", transform)
+                for pattern, target, transform in _GLM5NEXT_BLOCK]
+
+    mtp = rf"blk\.{num_hidden_layers}"
+    return NameMap(
+        ignore=(rf"{mtp}\.nextn\.(embed_tokens|shared_head_head)\.",),
+        joins=GLM5NEXT_JOINS,
+        rules=tuple(
+            [Rule(r"token_embd\.weight", "embed_tokens.embedding"),
+             Rule(r"output_norm\.weight", "norm.weight"),
+             Rule(r"output\.weight", "lm_head.kernel", "T"),
+             Rule(rf"{mtp}\.nextn\.eh_proj\.weight", "mtp.fc.kernel", "T"),
+             Rule(rf"{mtp}\.nextn\.enorm\.weight", "mtp.embed_norm.weight"),
+             Rule(rf"{mtp}\.nextn\.hnorm\.weight", "mtp.hidden_norm.weight"),
+             Rule(rf"{mtp}\.nextn\.shared_head_norm\.weight", "mtp.final_norm.weight")]
+            + block(mtp, "mtp.block")
+            + block(r"blk\.(?P<i>\d+)", r"layers.\g<i>")
+        ),
+    )
+
+
+def glm5next_gguf_names(cfg) -> NameMap:
+    """llama.cpp's ``glm5next`` / ``glm5-next`` GGUF layout for a ``Glm53Config`` (REFERENCE.md
+    section 1): plain norms (no +1), ``ssm_a`` = ``-exp(A_log)``, KDA convs ``[C, (1,) K]`` (any unit
+    dims), ``kv_b`` joined from ``attn_k_b`` + ``attn_v_b``, stacked expert banks ``[E, out, in]``
+    ("T" -> ``[E, in, out]``); the MTP block is ``blk.{num_hidden_layers}`` plus its ``nextn.*``
+    tensors (its copies of the embedding and head, when present, are the shared ones: ignored)."""
+    return _glm5next_gguf(cfg.num_hidden_layers)
+
+
 # GGUF ``general.architecture`` -> fn(config) -> NameMap.
 GGUF_NAME_MAPS: dict[str, Callable] = {
     "qwen35": qwen35_gguf_names,
+    "glm5next": glm5next_gguf_names,
+    "glm5-next": glm5next_gguf_names,
 }

@@ -7,7 +7,7 @@ best of 5 after a warm-up call, ``block_until_ready``. Also checks the two agree
 Repack: best of 3 calls of ``to_planes`` on the same host bytes; checks ``from_planes`` inverts it.
 
 MB/s counts quantized input bytes (1 MB = 2**20 bytes). Run from the repo root:
-``PYTHONPATH=. .venv/bin/python bench/bench_dequant.py``.
+``PYTHONPATH=. .venv/bin/python bench/dequant.py``.
 """
 
 from __future__ import annotations
