@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Set up a virtualenv in .venv (Python >= 3.12) and run one of the project's jobs.
-#   bash scripts/bootstrap.sh generate [ARGS...]   install zoo, run the main job (tiny embedded model)
-#   bash scripts/bootstrap.sh test [PYTEST ARGS]   install zoo[dev], run the whole test suite
+#   bash scripts/bootstrap.sh serve [ZOO SERVE ARGS]  install zoo, run the main job: `zoo serve` (by default
+#                                                    the tiny embedded model on 127.0.0.1:8000)
+#   bash scripts/bootstrap.sh test [PYTEST ARGS]      install zoo[dev], run the whole test suite
+#   bash scripts/bootstrap.sh generate [PROMPT]       install zoo, generate with the tiny embedded model
 set -euo pipefail
 cd "$(dirname "$0")/.."
-job="${1:-generate}"; shift || true
+job="${1:-serve}"; shift || true
 
 py=""
 for cand in python3.12 python3 python; do
@@ -17,6 +19,9 @@ done
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 case "$job" in
+  serve)
+    "${pip[@]}" -e .
+    exec .venv/bin/zoo serve "$@" ;;
   generate)
     "${pip[@]}" -e .
     exec .venv/bin/zoo generate --model qwen38-tiny --prompt "${1:-Hello, zoo!}" --max-tokens 32 ;;
@@ -27,5 +32,5 @@ case "$job" in
     rc=$?
     [ "$rc" -eq 5 ] && { echo "no tests were collected" >&2; exit 1; }
     exit "$rc" ;;
-  *) echo "usage: bash scripts/bootstrap.sh generate|test [args]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/bootstrap.sh serve|test|generate [args]" >&2; exit 2 ;;
 esac

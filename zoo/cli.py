@@ -1,14 +1,18 @@
 """The ``zoo`` command (also ``python -m zoo``).
 
+    zoo serve [--model NAME|PATH] [--port N] [--api-key KEY] ...   OpenAI/Anthropic-compatible server
     zoo generate --model NAME|PATH --prompt TEXT [--max-tokens N] [--temperature T] ...
     zoo models                       registered model names
     zoo inspect NAME|PATH            config and tensor inventory of a checkpoint, no weights loaded
+    zoo plan | audit ...             memory plan, quantization audit (``zoo.quant.cli``)
+    zoo cache build | ls | push | pull   repacked-weight caches and Kaggle datasets (``zoo.cache_cli``)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -27,25 +31,62 @@ def _generate(args) -> int:
     else:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
     print(f"[zoo] loaded {args.model} in {load_s:.2f}s; prompt {len(ids)} tokens", file=sys.stderr)
-    t1 = time.perf_counter()
-    tokens, first = [], None
-    printed = ""
-    for token in model.stream(ids, max_new_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed):
-        first = first or time.perf_counter()
-        tokens.append(token)
+    gen = model.generator(args.spec)
+    shown = {"text": "", "first": None}
+
+    def show(req, new_tokens):
+        shown["first"] = shown["first"] or time.perf_counter()
         if tok is None:
-            print(token, end=" ", flush=True)
-            continue
-        text = tok.decode(tokens)
-        print(text[len(printed):], end="", flush=True)
-        printed = text
+            print(" ".join(map(str, new_tokens)), end=" ", flush=True)
+            return
+        text = tok.decode(req.tokens)
+        print(text[len(shown["text"]):], end="", flush=True)
+        shown["text"] = text
+
+    t1 = time.perf_counter()
+    req = gen.submit(gen.make_request(ids, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, on_tokens=show))
+    while not req.done.is_set():
+        gen.step()
     end = time.perf_counter()
     print()
-    n = len(tokens)
-    decode_rate = (n - 1) / (end - first) if n > 1 and first else 0.0
-    print(f"[zoo] {n} tokens in {end - t1:.2f}s (first token {((first or end) - t1):.2f}s, "
-          f"decode {decode_rate:.1f} tok/s)", file=sys.stderr)
+    n, first = len(req.tokens), shown["first"] or end
+    decode_rate = (n - 1) / (end - first) if n > 1 else 0.0
+    print(f"[zoo] {n} tokens in {end - t1:.2f}s (first token {first - t1:.2f}s, decode {decode_rate:.1f} tok/s, "
+          f"{req.stats['steps']} decode steps, finish: {req.finish_reason})", file=sys.stderr)
+    if args.spec:
+        drafted, accepted = req.stats["drafted"], req.stats["accepted"]
+        by_pos = ", ".join(f"{a / max(req.stats['steps'], 1):.2f}" for a in req.stats["accepted_by_position"])
+        print(f"[zoo] MTP k={args.spec}: acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted}), "
+              f"by draft position [{by_pos}], {(n - 1) / max(req.stats['steps'], 1):.2f} tokens/step",
+              file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    import secrets
+    from pathlib import Path
+
+    import zoo
+    from zoo.serving.server import bind, create_app, serve
+
+    key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
+    t0 = time.perf_counter()
+    model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype)
+    name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
+    app = create_app(model, api_key=key, spec_tokens=args.spec, max_batch=args.max_batch, max_queue=args.max_queue,
+                     queue_timeout_s=args.queue_timeout, model_name=name,
+                     tool_format=None if args.tool_format == "none" else args.tool_format)
+    sock = bind(args.host, args.port)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    base = f"http://{host}:{sock.getsockname()[1]}"
+    print(f"[zoo] loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    print(f"zoo serve: {name}\n  OpenAI base URL:    {base}/v1\n  Anthropic base URL: {base}\n  API key: {key}",
+          flush=True)
+    try:
+        serve(app, sock, log_level=args.log_level)
+    except KeyboardInterrupt:        # uvicorn re-raises the Ctrl-C it handled once it has shut down
+        pass
     return 0
 
 
@@ -81,8 +122,25 @@ def _inspect(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zoo", description="Flax NNX model zoo: load, inspect, generate.")
+    p = argparse.ArgumentParser(prog="zoo", description="Flax NNX model zoo: serve, generate, inspect.")
     sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic APIs (default: the tiny model)")
+    s.add_argument("--model", default="qwen38-tiny", help="registry name or checkpoint path")
+    s.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipes)")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
+    s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
+    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (more: 429)")
+    s.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
+    s.add_argument("--tool-format", default="auto", choices=["auto", "qwen", "glm", "none"],
+                   help="tool-call format to parse (auto: from the chat template / architecture)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(fn=_serve)
 
     g = sub.add_parser("generate", help="generate text from a prompt (greedy by default)")
     g.add_argument("--model", default="qwen38-tiny", help="registry name or checkpoint path")
@@ -94,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
     g.set_defaults(fn=_generate)
 
     m = sub.add_parser("models", help="list registered models")
@@ -103,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model")
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.set_defaults(fn=_inspect)
+
+    from zoo.quant.cli import add_commands
+    add_commands(sub)
+    from zoo import cache_cli
+    cache_cli.add_commands(sub)
     return p
 
 

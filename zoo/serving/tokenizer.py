@@ -58,12 +58,25 @@ class Tokenizer:
             template = named.get("default") or next(iter(named.values()), None)
         return cls(HFTokenizer.from_file(str(tok_file)), config, template)
 
+    def save(self, path: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) to ``path``
+        so that ``from_dir(path)`` gives this tokenizer back."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(path / "tokenizer.json"))
+        config = {**self.config, "chat_template": self.chat_template}
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+    def special_tokens(self) -> dict[int, str]:
+        """id -> text of the special added tokens (control tokens such as ``<|im_end|>``)."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -1,0 +1,341 @@
+"""The OpenAI surface: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+A thin adapter: it validates the request (400 in OpenAI's error schema), turns it into a prompt
+and sampling parameters for ``Service``, and renders ``Service.events`` as one JSON response or
+as SSE chunks (``data: {...}``, ``: keep-alive`` comments when silent, ``data: [DONE]``).
+Reasoning comes back as ``reasoning_content``; tool calls as ``tool_calls`` (arguments streamed
+as deltas); ``stream_options.include_usage`` adds the final usage chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, OutputParser, collect
+from zoo.serving.errors import ApiError, parse_body
+from zoo.serving.reasoning import Reasoning, Text
+from zoo.serving.tool_parsers import ToolCallArgs, ToolCallStart
+
+router = APIRouter()
+EFFORT_OFF = ("none", "minimal")       # reasoning_effort values that turn thinking off
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Sampling(_Body):
+    """Fields shared by chat and text completions."""
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] = 1
+    logprobs: bool | int | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[dict] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict | None = None
+    response_format: dict | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+
+
+def parse(model: type[Sampling], raw: bytes):
+    """Validate a JSON body (400 naming the first bad field) and what this server does not do."""
+    body = parse_body(model, raw)
+    if body.logprobs:
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if isinstance(body.stop, list) and len(body.stop) > 16:
+        raise ApiError(400, "at most 16 stop sequences", param="stop")
+    return body
+
+
+def _stops(stop) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _text_content(content, where: str) -> str:
+    """Message content (a string or a list of text parts) as text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or a list of content parts", param=where)
+    out = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ApiError(400, f"{where}: content part {kind!r} is not supported (text only)", param=where)
+        out.append(str(part.get("text", "")))
+    return "".join(out)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages -> the chat templates' form (tool-call arguments as dicts)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}].role: unknown role {role!r}", param=f"messages[{i}].role")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _text_content(m.get("content"), f"messages[{i}].content")}
+        if role == "assistant":
+            if m.get("reasoning_content"):
+                msg["reasoning_content"] = str(m["reasoning_content"])
+            if m.get("tool_calls"):
+                msg["tool_calls"] = [_template_call(tc, f"messages[{i}].tool_calls[{j}]")
+                                     for j, tc in enumerate(m["tool_calls"])]
+        if role == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id")
+            if m.get("name"):
+                msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _template_call(call: dict, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not fn.get("name"):
+        raise ApiError(400, f"{where}: expected {{'function': {{'name': ..., 'arguments': ...}}}}", param=where)
+    args = fn.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ApiError(400, f"{where}.function.arguments: not valid JSON", param=where) from None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"{where}.function.arguments: expected a JSON object", param=where)
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _tool_choice(body: ChatRequest) -> tuple[str, str | None]:
+    choice = body.tool_choice or "auto"
+    names = [t.function.name for t in body.tools or []]
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or name not in names:
+            raise ApiError(400, f"tool_choice: no tool named {name!r} among the request's tools", param="tool_choice")
+        return "function", name
+    if choice not in ("auto", "none", "required"):
+        raise ApiError(400, f"tool_choice: expected auto, none, required or a function, got {choice!r}",
+                       param="tool_choice")
+    if choice == "required" and not names:
+        raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+    return choice, None
+
+
+def _usage(finish: Finish) -> dict:
+    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
+            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+
+
+def _finish_reason(finish: Finish) -> str:
+    if finish.reason == "stop" and finish.tool_calls and finish.stop_sequence is None:
+        return "tool_calls"
+    return finish.reason
+
+
+def _error_event(finish: Finish) -> ServerSentEvent:
+    body = ApiError(500, finish.error or "generation failed").openai_body()
+    return ServerSentEvent(json.dumps(body), sep="\n")
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "zoo"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(request.app.state.service.model_name)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    name = request.app.state.service.model_name
+    if model_id != name:
+        raise ApiError(404, f"model {model_id!r} not found; this server serves {name!r}", param="model")
+    return _model_card(name)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    service = request.app.state.service
+    body = parse(ChatRequest, await request.body())
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise ApiError(400, "response_format: only 'text' is supported", param="response_format")
+    choice, name = _tool_choice(body)
+    thinking = None if body.reasoning_effort is None else body.reasoning_effort not in EFFORT_OFF
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    prompt = service.chat_prompt(template_messages(body.messages), tools=tools, tool_choice=choice, tool_name=name,
+                                 thinking=thinking, template_kwargs=kwargs)
+    job = await service.start(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
+                              temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                              seed=body.seed)
+    events = service.events(job, service.decoder(_stops(body.stop)), prompt.parser, prompt.initial,
+                            tick=None if body.stream else POLL_S)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model or
+            service.model_name}
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventSourceResponse(_chat_chunks(events, job, head, usage), ping=0, sep="\n")
+    try:
+        out, finish = await collect(events, request)
+    finally:
+        job.cancel()
+    if finish is None:
+        return None                     # the client is gone
+    if finish.reason == "error":
+        raise ApiError(500, finish.error or "generation failed")
+    content = "".join(e.text for e in out if isinstance(e, Text))
+    reasoning = "".join(e.text for e in out if isinstance(e, Reasoning))
+    calls: list[dict] = []
+    for e in out:
+        if isinstance(e, ToolCallStart):
+            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": e.name, "arguments": ""}})
+        elif isinstance(e, ToolCallArgs):
+            calls[e.index]["function"]["arguments"] += e.delta
+    message = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return {**head, "object": "chat.completion", "usage": _usage(finish),
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(finish),
+                         "logprobs": None}]}
+
+
+async def _chat_chunks(events, job, head: dict, include_usage: bool):
+    base = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict, finish_reason=None) -> ServerSentEvent:
+        data = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                     "logprobs": None}], **extra}
+        return ServerSentEvent(json.dumps(data, ensure_ascii=False), sep="\n")
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for e in events:
+            if e is KEEPALIVE:
+                yield ServerSentEvent(comment="keep-alive", sep="\n")
+            elif isinstance(e, Text):
+                yield chunk({"content": e.text})
+            elif isinstance(e, Reasoning):
+                yield chunk({"reasoning_content": e.text})
+            elif isinstance(e, ToolCallStart):
+                yield chunk({"tool_calls": [{"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}",
+                                             "type": "function", "function": {"name": e.name, "arguments": ""}}]})
+            elif isinstance(e, ToolCallArgs):
+                yield chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.delta}}]})
+            elif isinstance(e, Finish):
+                if e.reason == "error":
+                    yield _error_event(e)
+                else:
+                    yield chunk({}, _finish_reason(e))
+                    if include_usage:
+                        yield ServerSentEvent(json.dumps({**base, "choices": [], "usage": _usage(e)}), sep="\n")
+        yield ServerSentEvent("[DONE]", sep="\n")
+    finally:
+        job.cancel()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    service = request.app.state.service
+    body = parse(CompletionRequest, await request.body())
+    if body.echo or body.suffix:
+        raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise ApiError(400, "prompt: one prompt per request (n=1)", param="prompt")
+        prompt = prompt[0]
+    ids = service.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise ApiError(400, "prompt: empty", param="prompt")
+    job = await service.start(ids, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=max(body.top_k, 0), seed=body.seed)
+    events = service.events(job, service.decoder(_stops(body.stop)), OutputParser(reasoning=False),
+                            tick=None if body.stream else POLL_S)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model or service.model_name}
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventSourceResponse(_completion_chunks(events, job, head, usage), ping=0, sep="\n")
+    try:
+        out, finish = await collect(events, request)
+    finally:
+        job.cancel()
+    if finish is None:
+        return None
+    if finish.reason == "error":
+        raise ApiError(500, finish.error or "generation failed")
+    return {**head, "usage": _usage(finish), "choices": [{"index": 0, "text": "".join(e.text for e in out),
+                                                          "finish_reason": finish.reason, "logprobs": None}]}
+
+
+async def _completion_chunks(events, job, head: dict, include_usage: bool):
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(text: str, finish_reason=None) -> ServerSentEvent:
+        data = {**head, "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+                **extra}
+        return ServerSentEvent(json.dumps(data, ensure_ascii=False), sep="\n")
+
+    try:
+        async for e in events:
+            if e is KEEPALIVE:
+                yield ServerSentEvent(comment="keep-alive", sep="\n")
+            elif isinstance(e, Text):
+                yield chunk(e.text)
+            elif isinstance(e, Finish):
+                if e.reason == "error":
+                    yield _error_event(e)
+                else:
+                    yield chunk("", e.reason)
+                    if include_usage:
+                        yield ServerSentEvent(json.dumps({**head, "choices": [], "usage": _usage(e)}), sep="\n")
+        yield ServerSentEvent("[DONE]", sep="\n")
+    finally:
+        job.cancel()

@@ -1,0 +1,161 @@
+"""The bundled OpenAI- and Anthropic-compatible server.
+
+``create_app(model, ...)`` builds a FastAPI app over one ``Generator``: its engine thread starts and
+stops with the app; the OpenAI (``openai_api``) and Anthropic (``anthropic_api``) surfaces are
+thin adapters over ``chat.Service``. The app also answers ``GET /health`` (no key needed) and
+``GET /metrics`` (Prometheus text). ``serve`` runs it with uvicorn; ``ServerThread`` runs it in a
+background thread (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from zoo.serving import anthropic_api, openai_api
+from zoo.serving.chat import Service
+from zoo.serving.engine import Generator
+from zoo.serving.errors import ApiError
+from zoo.serving.jobs import Engine
+from zoo.serving.metrics import CountRequests, Metrics
+from zoo.serving.tool_parsers import PARSERS, detect_format
+
+log = logging.getLogger("zoo.serve")
+
+
+def _error_response(request: Request, err: ApiError) -> JSONResponse:
+    """``err`` in the error schema of the API the path belongs to."""
+    anthropic = request.url.path.startswith("/v1/messages")
+    return JSONResponse(err.anthropic_body() if anthropic else err.openai_body(), status_code=err.status,
+                        headers=err.headers)
+
+
+def _require_key(api_key: str | None):
+    """A dependency: the request carries ``api_key`` as ``Authorization: Bearer`` or ``x-api-key``."""
+    expected = (api_key or "").encode()
+
+    async def check(request: Request) -> None:
+        if not api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        given = [request.headers.get("x-api-key", ""), auth[7:].strip() if auth[:7].lower() == "bearer " else ""]
+        if not any(hmac.compare_digest(g.encode(), expected) for g in given):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                           code="invalid_api_key")
+    return check
+
+
+def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_batch: int = 16,
+               max_queue: int = 64, queue_timeout_s: float = 60.0, keepalive_s: float = 15.0,
+               model_name: str | None = None, tool_format: str | None = "auto", default_max_tokens: int = 4096,
+               memory_budget: int | None = None) -> FastAPI:
+    """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
+
+    api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP
+    draft length. max_batch: rows decoded together. max_queue: requests that may wait for a row
+    (more: 429); queue_timeout_s: how long one may wait (then 503). keepalive_s: silence after
+    which a stream gets a keep-alive comment / ping. tool_format: "qwen", "glm", None (tool calls
+    are not parsed) or "auto" (from the chat template, else ``model.config.arch``).
+    """
+    if model.tokenizer is None:
+        raise ValueError("serving needs a tokenizer; this model has none")
+    if tool_format == "auto":
+        tool_format = detect_format(getattr(model.config, "arch", None), model.tokenizer.chat_template)
+    elif tool_format is not None and tool_format not in PARSERS:
+        raise ValueError(f"unknown tool format {tool_format!r}; use one of {sorted(PARSERS)}, 'auto' or None")
+    generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget)
+    metrics = Metrics()
+    engine = Engine(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
+    name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+    service = Service(engine, model.tokenizer, name, tool_format, context, default_max_tokens, keepalive_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        log.info("serving %s (tool format %s, max batch %d, spec %d)", name, tool_format, max_batch, spec_tokens)
+        yield
+        engine.stop()
+
+    app = FastAPI(title="zoo", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    auth = [Depends(_require_key(api_key))]
+    app.include_router(openai_api.router, dependencies=auth)
+    app.include_router(anthropic_api.router, dependencies=auth)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "error", "error": engine.error or "the engine is not running"}, 503)
+        return {"status": "ok", "model": name}
+
+    @app.get("/metrics", dependencies=auth)
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.add_exception_handler(ApiError, _error_response)
+    app.add_exception_handler(HTTPException, lambda request, e: _error_response(
+        request, ApiError(e.status_code, str(e.detail))))
+    app.add_exception_handler(RequestValidationError, lambda request, e: _error_response(
+        request, ApiError(400, str(e.errors()[0].get("msg", e)))))
+
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return _error_response(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+    app.add_exception_handler(Exception, internal_error)
+    app.add_middleware(CountRequests, metrics=metrics)
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: a free port); connections wait in its backlog
+    until the server runs."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def _server(app: FastAPI, log_level: str) -> uvicorn.Server:
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+
+
+def serve(app: FastAPI, sock: socket.socket, *, log_level: str = "info") -> None:
+    """Serve ``app`` on ``sock`` (from ``bind``) until interrupted."""
+    _server(app, log_level).run(sockets=[sock])
+
+
+class ServerThread:
+    """Run ``app`` with uvicorn in a background thread: ``with ServerThread(app) as s: s.url``."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self._sock = bind(host, port)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._server = _server(app, log_level)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="zoo-uvicorn", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server failed to start (see the log)")
+            self._thread.join(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._sock.close()
