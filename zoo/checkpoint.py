@@ -1,0 +1,407 @@
+"""The repacked-weight cache: the loaded, placed state written once with Orbax, restored directly.
+
+    zoo.load(name, quant=..., cache=DIR)    first time: load from the sources, then save to
+                                            DIR/<model>-<fingerprint hash>/; afterwards: restore
+                                            from there (no parsing, re-quantizing or re-packing)
+
+Layout of one cache entry (written to ``DIR/.partial-*`` and renamed when complete, so a save
+killed half-way leaves nothing a later load accepts)::
+
+    manifest.json   fingerprint, config, and for every parameter its stored kind (dense array, or
+                    a known stored-weight type with its static metadata) and leaves
+    state/<group>/  one Orbax checkpoint per parameter group (embedding, each layer, head, MTP):
+                    host memory during a restore is bounded by a group, and progress is shown
+    tokenizer.json, tokenizer_config.json   when the model has a tokenizer
+
+The **fingerprint** names what was loaded: the request (model, recipe, dtype, the zoo storage
+layout versions) and the identity of each source file (name, size, a hash of its first 16 MiB,
+which covers the header/index). A cache is used only when the request matches and, where the
+sources are on this machine, the sources match too; otherwise the load rebuilds and says why.
+
+Restoring builds the abstract model first and targets each leaf's ``NamedSharding`` on the
+requested mesh (never the layout it was saved with), so a cache written on one mesh restores on
+another. Caches are also found (read-only) under the search roots, by default every dataset
+folder in ``/kaggle/input`` (``ZOO_CACHE_SEARCH`` = colon-separated roots overrides it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MANIFEST = "manifest.json"
+CACHE_FORMAT = 1
+HASHED_BYTES = 16 * 2**20
+DEFAULT_SEARCH_ROOTS = ("/kaggle/input",)
+# Stored-weight types a manifest may name (a cache is data: nothing else is ever instantiated).
+STORED_TYPES = {"QArray": "zoo.quant.qarray:QArray", "Int8Weight": "zoo.quant.int8:Int8Weight"}
+ENUMS = {"GGMLQuantizationType": "gguf.constants:GGMLQuantizationType"}
+
+
+class CacheError(ValueError):
+    """A cache entry that is incomplete, corrupt, or not what the manifest says."""
+
+
+def _import(ref: str):
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _progress(iterable, desc: str, total: int | None = None):
+    from tqdm.auto import tqdm
+    return tqdm(iterable, desc=desc, total=total, unit="group", disable=None, file=sys.stderr)
+
+
+# -- fingerprints ----------------------------------------------------------------------------------
+def layout_versions() -> dict:
+    from zoo.quant import planes
+    return {"cache_format": CACHE_FORMAT, "planes": planes.LAYOUT_VERSION}
+
+
+def file_identity(path: Path) -> dict:
+    """name, size and a sha256 of the first 16 MiB (the header and index of GGUF/safetensors)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(HASHED_BYTES))
+    return {"name": path.name, "size": path.stat().st_size, "head_sha256": digest.hexdigest()}
+
+
+def source_files(path: Path) -> list[Path]:
+    """The files a load reads weights and config from (a checkpoint dir or a GGUF file/split set)."""
+    if path.is_file():
+        return sorted(path.parent.glob(_split_glob(path.name))) if "-of-" in path.name else [path]
+    patterns = ("config.json", "*.safetensors", "*.gguf", "model.safetensors.index.json")
+    return sorted({f for p in patterns for f in path.glob(p) if f.is_file()})
+
+
+def _split_glob(name: str) -> str:
+    stem, _, rest = name.rpartition("-of-")
+    return stem.rsplit("-", 1)[0] + "-*-of-" + rest
+
+
+def fingerprint(model: str, quant: str | None, dtype: str, sources: list[dict] | None) -> dict:
+    """``sources`` None: the sources are not on this machine (match on the request alone)."""
+    return {"request": {"model": model, "quant": quant, "dtype": dtype, **layout_versions()},
+            "sources": sources}
+
+
+def fingerprint_hash(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def mismatch(saved: dict, wanted: dict) -> str | None:
+    """Why a saved fingerprint does not serve a request (None if it does)."""
+    for key, value in wanted["request"].items():
+        if saved["request"].get(key) != value:
+            return f"{key} is {saved['request'].get(key)!r} in the cache, {value!r} requested"
+    if wanted["sources"] is not None and saved["sources"] != wanted["sources"]:
+        names = {s["name"]: s for s in saved["sources"] or []}
+        for s in wanted["sources"]:
+            if names.get(s["name"]) != s:
+                return f"source file {s['name']} differs from the one the cache was built from"
+        return "the cache was built from a different set of source files"
+    return None
+
+
+# -- stored values <-> manifest entries --------------------------------------------------------------
+def _encode_meta(value):
+    if isinstance(value, enum.Enum):
+        kind = next(k for k, ref in ENUMS.items() if isinstance(value, _import(ref)))
+        return {"__enum__": kind, "name": value.name}
+    if isinstance(value, (tuple, list)):
+        return {"__tuple__": [_encode_meta(v) for v in value]}
+    if value is None or isinstance(value, (int, float, str, bool)):
+        return value
+    raise TypeError(f"cannot record metadata value {value!r} in a cache manifest")
+
+
+def _decode_meta(value):
+    if isinstance(value, dict) and "__enum__" in value:
+        if value["__enum__"] not in ENUMS:
+            raise CacheError(f"manifest names an unknown enum {value['__enum__']!r}")
+        return _import(ENUMS[value["__enum__"]])[value["name"]]
+    if isinstance(value, dict) and "__tuple__" in value:
+        return tuple(_decode_meta(v) for v in value["__tuple__"])
+    return value
+
+
+def _leaf_record(x) -> dict:
+    return {"shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
+
+
+def describe(value) -> dict:
+    """Manifest entry of a stored parameter value: its kind, static metadata and leaves (in
+    ``jax.tree.leaves`` order)."""
+    if isinstance(value, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        return {"kind": "dense", "leaves": [_leaf_record(value)]}
+    name = type(value).__name__
+    if name not in STORED_TYPES or not dataclasses.is_dataclass(value):
+        raise TypeError(f"cannot cache a parameter stored as {type(value).__name__}")
+    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    leaves_of = {k: v for k, v in fields.items() if jax.tree.leaves(v) and not isinstance(v, (enum.Enum, tuple, int))}
+    meta = {k: _encode_meta(v) for k, v in fields.items() if k not in leaves_of}
+    data = {k: sorted(v) if isinstance(v, dict) else None for k, v in leaves_of.items()}
+    return {"kind": name, "meta": meta, "data": data, "leaves": [_leaf_record(x) for x in jax.tree.leaves(value)]}
+
+
+def abstract_value(entry: dict, shardings: list | None = None):
+    """The value a manifest entry describes, with ``ShapeDtypeStruct`` leaves (with ``shardings``)."""
+    leaves = [jax.ShapeDtypeStruct(tuple(rec["shape"]), np.dtype(rec["dtype"]),
+                                   sharding=None if shardings is None else shardings[i])
+              for i, rec in enumerate(entry["leaves"])]
+    if entry["kind"] == "dense":
+        return leaves[0]
+    if entry["kind"] not in STORED_TYPES:
+        raise CacheError(f"manifest names an unknown stored type {entry['kind']!r}")
+    cls = _import(STORED_TYPES[entry["kind"]])
+    meta = {k: _decode_meta(v) for k, v in entry["meta"].items()}
+    placeholders = {k: ({n: 0 for n in names} if names is not None else 0) for k, names in entry["data"].items()}
+    treedef = jax.tree.structure(_skeleton(cls, meta, placeholders))
+    if treedef.num_leaves != len(leaves):
+        raise CacheError(f"manifest entry of kind {entry['kind']} lists {len(leaves)} leaves, "
+                         f"its structure has {treedef.num_leaves}")
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _skeleton(cls, meta: dict, data: dict):
+    """An instance of a stored-weight dataclass with placeholder leaves, only to read its pytree
+    structure (bypasses the constructor's shape checks, which run again on ``unflatten``)."""
+    obj = object.__new__(cls)
+    for k, v in {**meta, **data}.items():
+        object.__setattr__(obj, k, v)
+    return obj
+
+
+# -- content digests ---------------------------------------------------------------------------------
+def _words(x: jax.Array) -> jax.Array:
+    """The leaf's bits as uint32 words (one word per element of up to 4 bytes)."""
+    x = x.ravel()
+    if x.dtype == bool:
+        return x.astype(jnp.uint32)
+    size = np.dtype(x.dtype).itemsize
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _digest(x: jax.Array) -> jax.Array:
+    """A position-weighted uint32 sum of the leaf's bits (wrapping). Every weight is odd, so a
+    single changed word always changes it; several changes cancel with probability ~2^-32.
+    Computed on the devices that hold the leaf (Orbax itself restores flipped bytes silently)."""
+    w = _words(x)
+    i = jnp.arange(w.size, dtype=jnp.uint32)
+    return jnp.sum((w + 1) * (i * jnp.uint32(2654435762) + 1))
+
+
+_digest_jit = jax.jit(_digest)     # one small program per distinct leaf shape and dtype
+
+
+def group_digests(arrays: dict[str, jax.Array]) -> dict[str, int]:
+    digests = {k: _digest_jit(v) for k, v in arrays.items()}
+    return {k: int(d) for k, d in digests.items()}
+
+
+# -- saving ----------------------------------------------------------------------------------------
+def _group(path: str) -> str:
+    """Parameter group = one Orbax checkpoint: ``layers.N`` per layer, else the first component."""
+    parts = path.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+def _flat_params(module):
+    from flax import nnx
+    return [(".".join(map(str, p)), v) for p, v in nnx.to_flat_state(nnx.state(module))]
+
+
+def _config_record(cfg) -> dict:
+    return {"arch": cfg.arch, "class": f"{type(cfg).__module__}:{type(cfg).__qualname__}",
+            "fields": {f.name: _encode_meta(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}}
+
+
+def _config_from_record(rec: dict):
+    from zoo.config import ARCHITECTURES
+    classes = {f"{c.__module__}:{c.__qualname__}": c for c in ARCHITECTURES.values()}
+    if rec["class"] not in classes:
+        raise CacheError(f"manifest names an unknown config class {rec['class']!r}")
+    return classes[rec["class"]](**{k: _decode_meta(v) for k, v in rec["fields"].items()})
+
+
+def save(model, root: str | Path, fp: dict, name: str) -> Path:
+    """Write ``model`` (a ``zoo.Model``) as a cache entry under ``root``; returns its directory.
+
+    Written to a temporary directory and renamed when complete; an existing complete entry with
+    the same fingerprint is replaced."""
+    import orbax.checkpoint as ocp
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{name}-{fingerprint_hash(fp)}"
+    tmp = root / f".partial-{final.name}-{uuid.uuid4().hex[:8]}"
+    params = _flat_params(model.module)
+    groups: dict[str, dict[str, Any]] = {}
+    entries = {}
+    for path, var in params:
+        value = var.get_value()
+        group = groups.setdefault(_group(path), {})
+        first = len(group)
+        leaves = jax.tree.leaves(value)
+        group.update({str(first + i): leaf for i, leaf in enumerate(leaves)})
+        entries[path] = {**describe(value), "group": _group(path), "first": first}
+    digests = {}
+    try:
+        ckptr = ocp.StandardCheckpointer()
+        for group, arrays in _progress(groups.items(), "zoo cache save", len(groups)):
+            ckptr.save((tmp / "state" / group).absolute(), arrays)
+            digests[group] = group_digests(arrays)
+        ckptr.wait_until_finished()
+        if model.tokenizer is not None:
+            model.tokenizer.save(tmp)
+        manifest = {"format": CACHE_FORMAT, "fingerprint": fp, "config": _config_record(model.config),
+                    "params": entries, "digests": digests, "created": time.time()}
+        (tmp / MANIFEST).write_text(json.dumps(manifest))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# -- finding and restoring ---------------------------------------------------------------------------
+def search_roots(cache: str | Path | None) -> list[Path]:
+    """Where complete cache entries are looked for: ``cache`` itself, then the search roots
+    (``ZOO_CACHE_SEARCH``, default every dataset under /kaggle/input)."""
+    roots = [Path(cache)] if cache is not None else []
+    env = os.environ.get("ZOO_CACHE_SEARCH")
+    for base in (env.split(":") if env else DEFAULT_SEARCH_ROOTS):
+        base = Path(base)
+        if base.is_dir():
+            roots += [base] + [d for d in sorted(base.iterdir()) if d.is_dir()]
+    return roots
+
+
+def read_manifest(entry: Path) -> dict:
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CacheError(f"{entry}: unreadable cache manifest ({e})") from None
+    if manifest.get("format") != CACHE_FORMAT:
+        raise CacheError(f"{entry}: cache format {manifest.get('format')!r}, this zoo reads {CACHE_FORMAT}")
+    return manifest
+
+
+def find(fp: dict, roots: list[Path]) -> tuple[Path | None, list[str]]:
+    """The first complete entry serving ``fp`` under ``roots``, and why the other entries of the
+    same model did not."""
+    reasons = []
+    for root in roots:
+        for entry in sorted(p.parent for p in root.glob(f"*/{MANIFEST}")):
+            if entry.name.startswith(".partial-"):
+                continue
+            try:
+                saved = read_manifest(entry)["fingerprint"]
+            except CacheError as e:
+                reasons.append(str(e))
+                continue
+            if saved["request"].get("model") != fp["request"]["model"]:
+                continue                                  # another model's cache: not a candidate
+            why = mismatch(saved, fp)
+            if why is None:
+                return entry, reasons
+            reasons.append(f"{entry}: {why}")
+    return None, reasons
+
+
+def restore(entry: Path, mesh=None, dtype=None):
+    """Rebuild the model from a cache entry, each leaf placed on its sharding on ``mesh`` (or the
+    default device). Returns (module, config, tokenizer)."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from zoo.mesh import value_specs
+    from zoo.models import arch as get_arch
+    from zoo.serving.tokenizer import Tokenizer
+
+    manifest = read_manifest(entry)
+    cfg = _config_from_record(manifest["config"])
+    dt = np.dtype(manifest["fingerprint"]["request"]["dtype"]) if dtype is None else dtype
+    abstract = nnx.eval_shape(lambda: get_arch(cfg.arch).model_class()(cfg, dtype=dt))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    variables = {".".join(map(str, p)): v for p, v in flat}
+    if set(variables) != set(manifest["params"]):
+        missing = sorted(set(variables) ^ set(manifest["params"]))[:5]
+        raise CacheError(f"{entry}: the cached parameters do not match the model ({missing} ...)")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
+    for path, rec in manifest["params"].items():
+        value = abstract_value(rec)
+        if mesh is not None:
+            _, specs = value_specs(value, variables[path].get_metadata()["axes"], mesh)
+            shardings = [jax.sharding.NamedSharding(mesh, s) for s in specs]
+        else:
+            shardings = [device] * len(rec["leaves"])
+        rec["_abstract"] = abstract_value(rec, shardings)
+        group = targets.setdefault(rec["group"], {})
+        for i, leaf in enumerate(jax.tree.leaves(rec["_abstract"])):
+            group[str(rec["first"] + i)] = leaf
+    ckptr = ocp.StandardCheckpointer()
+    restored = {}
+    for group, target in _progress(targets.items(), "zoo cache restore", len(targets)):
+        state_dir = (entry / "state" / group).absolute()
+        if not state_dir.is_dir():
+            raise CacheError(f"{entry}: missing state for parameter group {group!r}")
+        try:
+            restored[group] = ckptr.restore(state_dir, target)
+        except Exception as e:      # orbax/tensorstore raise many kinds on truncated or missing files
+            raise CacheError(f"{entry}: cannot restore parameter group {group!r} ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
+        if group_digests(restored[group]) != manifest["digests"].get(group):
+            raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
+                             f"(corrupted cache)")
+    for path, rec in manifest["params"].items():
+        leaves = [restored[rec["group"]][str(rec["first"] + i)] for i in range(len(rec["leaves"]))]
+        variables[path].set_value(jax.tree.unflatten(jax.tree.structure(rec["_abstract"]), leaves))
+    module = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return module, cfg, Tokenizer.from_dir(entry)
+
+
+# -- Kaggle datasets ---------------------------------------------------------------------------------
+def push(entry: str | Path, dataset: str, notes: str = "") -> None:
+    """Upload a cache entry as (a new version of) the Kaggle dataset ``OWNER/NAME``."""
+    import kagglehub
+
+    entry = Path(entry)
+    read_manifest(entry)                      # only complete entries are published
+    if dataset.count("/") != 1:
+        raise ValueError(f"dataset must be OWNER/NAME, got {dataset!r}")
+    kagglehub.dataset_upload(dataset, str(entry), version_notes=notes or f"zoo cache {entry.name}")
+
+
+def pull(dataset: str, dest: str | Path | None = None) -> Path:
+    """Download the Kaggle dataset ``OWNER/NAME[/versions/N]``; returns the cache entry inside it."""
+    import kagglehub
+
+    path = Path(kagglehub.dataset_download(dataset, output_dir=None if dest is None else str(dest)))
+    if (path / MANIFEST).is_file():
+        return path
+    entries = sorted(p.parent for p in path.glob(f"*/{MANIFEST}"))
+    if not entries:
+        raise CacheError(f"dataset {dataset} ({path}) holds no zoo cache entry")
+    return entries[0]
