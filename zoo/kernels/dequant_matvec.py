@@ -1,0 +1,207 @@
+"""Decode-step kernels: dequantization fused into the matvec, experts de-duplicated across rows.
+
+A decode step has a few rows (streams of a batch, or the k+1 tokens of a speculative verify), each
+routed to ``top_k`` experts. :func:`expert_plan` turns the routing into the step's *distinct*
+experts (sorted, padded to a static ``U = min(rows * top_k, E)`` by repeating the last one) and a
+``[U, rows]`` matrix of routing weights (0 where a row does not use the expert, and for padding).
+The kernels then take one grid step per (output tile, distinct expert): the expert's planes are
+DMA'd once (scalar-prefetched expert ids select them in the ``index_map``; padding steps map to the
+block already resident, so they move nothing, and skip compute), decoded chunk by chunk in VMEM
+(``zoo.kernels.tpu``) and applied to *every* row of the step, so an expert shared by several rows
+is read and decoded once.
+
+    moe_matvec(x [N, D], weights [N, k], ids [N, k], gate, up, down, limit) -> [N, D]
+        gate/up QArray banks [E, D, I], down [E, I, D]; two pallas_calls:
+        1. gate and up of each distinct expert, SwiGLU (with its clamp) -> h [U, N, I]
+        2. down of each distinct expert, times the routing weight, summed over experts -> [N, D]
+    linear_matvec(x [..., in], w, out_dtype) -> [..., out]    a 2-D QArray (one "expert")
+
+Activations enter in each weight's plane order (``zoo.kernels.tiles``: a static permutation of the
+features, applied once in jnp). ``reference_moe`` / ``reference_linear`` compute the same thing in
+jnp with the same tile decoders (direct gathers instead of lane gathers): the CPU fast path, and the
+oracle the kernels are tested against. Rounding follows ``zoo.quant.moe.dense_moe``: projections
+accumulate in float32 and are cast to the activation dtype, SwiGLU runs in that dtype, the weighted
+sum over experts in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from zoo.kernels.formats import format_of
+from zoo.kernels.operands import Weight, plane_inputs, split_refs
+from zoo.kernels.tiles import decode_parts, input_order, n_tiles, tiling_for
+from zoo.kernels.tpu import LANES, block_specs, compiler_params, matvec, spec_bytes, table_operands
+from zoo.quant.matmul import dense_matmul, precision_for
+from zoo.quant.moe import swiglu
+
+F32 = jnp.float32
+
+
+class ExpertPlan(NamedTuple):
+    """The distinct experts of a step: ``experts`` int32 [U] (sorted; slots from ``n_valid`` on
+    repeat the last), ``n_valid`` int32 [1], ``row_weights`` float32 [U, N] (0: not routed / padding)."""
+
+    experts: jax.Array
+    n_valid: jax.Array
+    row_weights: jax.Array
+
+
+def expert_plan(ids: jax.Array, weights: jax.Array, n_experts: int) -> ExpertPlan:
+    """De-duplicate the experts of ``ids [N, k]`` (on device, static size ``min(N * k, E)``)."""
+    n, k = ids.shape
+    size = min(n * k, n_experts)
+    flat = jnp.sort(ids.reshape(-1).astype(jnp.int32))
+    first = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+    slot = jnp.cumsum(first) - 1
+    n_valid = slot[-1] + 1
+    experts = jnp.full((size,), flat[-1]).at[jnp.where(first, slot, size)].set(flat, mode="drop")
+    hits = (ids[None] == experts[:, None, None]) & (jnp.arange(size) < n_valid)[:, None, None]
+    row_weights = jnp.sum(jnp.where(hits, weights[None].astype(F32), 0.0), axis=-1)
+    return ExpertPlan(experts, n_valid.reshape(1), row_weights)
+
+
+def valid_slot(u, n_valid):
+    """The slot whose blocks a grid step uses: padding slots reuse the last valid one's."""
+    return jnp.minimum(u, n_valid[0] - 1)
+
+
+def weight_block(j, u, experts, n_valid):
+    """Block index of a bank's planes at grid step (output tile ``j``, slot ``u``)."""
+    return experts[valid_slot(u, n_valid)], 0, j
+
+
+def _combine(row_weights: jax.Array, y: jax.Array) -> jax.Array:
+    """``row_weights * y`` where routed, 0 elsewhere (never ``0 * garbage``)."""
+    return jnp.where(row_weights != 0, row_weights * y, 0.0)
+
+
+# --- Pallas (TPU) ------------------------------------------------------------------------------
+
+
+def _project(xs: list[jax.Array], weights: list[Weight], x_of: list[int], experts, n_valid,
+             epilogue: Callable, out_dtype, interpret: bool) -> jax.Array:
+    """``epilogue(xs[x_of[i]] @ W_i[e] for i) -> [U, rows, out]`` for each distinct expert ``e``."""
+    u_size, rows, d_out = experts.shape[0], xs[0].shape[0], weights[0].d_out
+    names, tables, table_specs = table_operands(weights)
+    x_specs = [pl.BlockSpec((rows, x.shape[1]), lambda j, u, e, nv: (0, 0)) for x in xs]
+    w_specs = [s for w in weights for s in block_specs(w, weight_block)]
+    counts = [len(xs)] + [len(w.planes) for w in weights] + [len(names), 1]
+
+    def kernel(experts_ref, n_valid_ref, *refs):
+        x_refs, *w_refs, t_refs, (out_ref,) = split_refs(refs, counts)
+        tables_ = dict(zip(names, t_refs))
+
+        @pl.when(pl.program_id(1) < n_valid_ref[0])
+        def _():
+            accs = [matvec(w, x_refs[x_of[i]], w_refs[i], tables_) for i, w in enumerate(weights)]
+            out_ref[...] = epilogue(*accs).astype(out_ref.dtype)
+
+    planes = [p for w in weights for p in w.planes]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(n_tiles(d_out, LANES), u_size),
+        in_specs=x_specs + w_specs + table_specs,
+        out_specs=pl.BlockSpec((None, rows, LANES), lambda j, u, e, nv: (valid_slot(u, nv), 0, j)))
+    blocks = spec_bytes([*xs, *planes, *tables], grid_spec.in_specs) + rows * LANES * 4
+    return pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((u_size, rows, d_out), out_dtype),
+        compiler_params=compiler_params(blocks, chunk_inputs=max(w.tiling.chunk_inputs for w in weights)),
+        interpret=interpret,
+    )(experts, n_valid, *xs, *planes, *tables)
+
+
+def _down(h: jax.Array, row_weights: jax.Array, down: Weight, experts, n_valid, dtype, interpret: bool) -> jax.Array:
+    """``sum_u row_weights[u] * (h[u] @ down[e_u])`` -> float32 [rows, out]; ``h [U, rows, in]``
+    in the bank's plane order, ``row_weights [U, rows, 1]``."""
+    u_size, rows, d_in = h.shape
+    names, tables, table_specs = table_operands([down])
+    slot_block = lambda j, u, e, nv: (valid_slot(u, nv), 0, 0)       # noqa: E731
+    counts = [1, 1, len(down.planes), len(names), 1]
+
+    def kernel(experts_ref, n_valid_ref, *refs):
+        (h_ref,), (w_ref,), w_refs, t_refs, (out_ref,) = split_refs(refs, counts)
+        u = pl.program_id(1)
+
+        @pl.when(u == 0)
+        def _():
+            out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+        @pl.when(u < n_valid_ref[0])
+        def _():
+            y = matvec(down, h_ref, w_refs, dict(zip(names, t_refs))).astype(dtype).astype(F32)
+            out_ref[...] += _combine(w_ref[...], y)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(n_tiles(down.d_out, LANES), u_size),
+        in_specs=[pl.BlockSpec((None, rows, d_in), slot_block), pl.BlockSpec((None, rows, 1), slot_block),
+                  *block_specs(down, weight_block), *table_specs],
+        out_specs=pl.BlockSpec((rows, LANES), lambda j, u, e, nv: (0, j)))
+    blocks = spec_bytes([h, row_weights, *down.planes, *tables], grid_spec.in_specs) + rows * LANES * 4
+    return pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((rows, down.d_out), F32),
+        compiler_params=compiler_params(blocks, chunk_inputs=down.tiling.chunk_inputs),
+        interpret=interpret,
+    )(experts, n_valid, h, row_weights, *down.planes, *tables)
+
+
+def moe_matvec(x, weights, ids, gate, up, down, limit, *, interpret: bool = False) -> jax.Array:
+    """Routed experts over QArray banks for a decode step (module docstring); ``[N, D]`` in x's dtype."""
+    dtype = x.dtype
+    plan = expert_plan(ids, weights, gate.shape[0])
+    g, u, d = (Weight.of(b) for b in (gate, up, down))
+    xs, x_of = plane_inputs(x, [g, u])
+    h = _project(xs, [g, u], x_of, plan.experts, plan.n_valid,
+                 lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, interpret)
+    y = _down(h[..., d.order], plan.row_weights[..., None], d, plan.experts, plan.n_valid, dtype, interpret)
+    return y.astype(dtype)
+
+
+def linear_matvec(x: jax.Array, w, out_dtype, *, interpret: bool = False) -> jax.Array:
+    """``x [..., in] @ w`` for a 2-D QArray and a few rows; ``[..., out]`` in ``out_dtype``."""
+    weight = Weight.of(w)
+    rows = x.reshape(-1, x.shape[-1])
+    one = jnp.ones((1,), jnp.int32)
+    y = _project([rows[:, weight.order]], [weight], [0], one - 1, one, lambda acc: acc, out_dtype, interpret)
+    return y[0].reshape(*x.shape[:-1], weight.d_out)
+
+
+# --- jnp reference -------------------------------------------------------------------------------
+
+
+def decode_bank(q, experts: jax.Array | None = None):
+    """QArray ``q`` (or its experts ``experts``) decoded in plane order, ``float32 [U, in, out]``
+    (``[1, in, out]`` for a matrix), and the activation order that goes with it."""
+    fmt = format_of(q.qtype)
+    tiling = tiling_for(q.qtype, q.n_blocks, q.in_splits, None)
+    planes = {n: p if q.ndim == 3 else p[None] for n, p in q.planes.items()}
+    if experts is not None:
+        planes = {n: p[experts] for n, p in planes.items()}
+    return decode_parts(planes, fmt, tiling), input_order(tiling, fmt.in_block, q.in_order)
+
+
+def reference_linear(x: jax.Array, w, out_dtype) -> jax.Array:
+    """jnp twin of :func:`linear_matvec`. (The barrier keeps XLA:CPU from fusing the permutation
+    into a bf16 x bf16 -> f32 dot, which its dot thunk does not implement.)"""
+    weight, order = decode_bank(w)
+    return dense_matmul(jax.lax.optimization_barrier(x[..., order]), weight[0], out_dtype)
+
+
+def reference_moe(x, weights, ids, gate, up, down, limit) -> jax.Array:
+    """jnp twin of :func:`moe_matvec`: decodes only the step's distinct experts."""
+    dtype, precision = x.dtype, precision_for(x.dtype)
+    plan = expert_plan(ids, weights, gate.shape[0])
+
+    def project(rows, bank):                      # rows [N, in] or [U, N, in] -> [U, N, out]
+        weight, order = decode_bank(bank, plan.experts)
+        rows = jnp.broadcast_to(rows[..., order], (weight.shape[0], *rows.shape[-2:]))   # a batched matmul
+        return jnp.einsum("unk,ukm->unm", rows, weight.astype(dtype), precision=precision,
+                          preferred_element_type=F32).astype(dtype)
+
+    h = swiglu(project(x, gate), project(x, up), limit)
+    y = project(h, down).astype(F32)
+    return jnp.sum(_combine(plan.row_weights[..., None], y), axis=0).astype(dtype)

@@ -1,0 +1,189 @@
+"""Prefill kernels: a grouped GEMM over expert-sorted row blocks of quantized experts.
+
+:func:`ragged_plan` sorts the ``N * k`` (token, expert) slots by expert into blocks of ``bm`` rows,
+each block holding rows of one expert only (an expert's last block is padded with rows of weight 0;
+blocks past the used ones repeat the last expert and are skipped). The static block count is
+``ceil(N k / bm) + min(E, N k)``. The kernels walk the grid (output tile ``j``, row block ``b``):
+the block's expert's planes for ``j`` come in over the whole input axis (the scalar-prefetched block
+experts choose them in the ``index_map``; consecutive blocks of one expert keep the same block index,
+so nothing is re-read), are decoded into a VMEM scratch column **once, when the block's expert
+changes**, and every block of that expert is one ``jnp.dot`` (f32 accumulation) on the matrix unit.
+
+    moe_grouped(x [N, D], weights [N, k], ids [N, k], gate, up, down, limit) -> [N, D]
+        1. gate and up, SwiGLU with its clamp in the kernel      -> h     [rows, I] (sorted rows)
+        2. down, times each row's routing weight in the kernel   -> y     [rows, D] float32
+        3. combine: each token sums its k rows (a gather, then a sum over k)
+    linear_grouped(x [..., in], w, out_dtype) -> [..., out]     a 2-D QArray: one expert, all rows
+
+``reference_moe`` (jnp: the banks decoded by the same tile decoders, then ``dense_moe``) is the CPU
+path and the kernels' oracle; for a matrix the reference is ``zoo.kernels.dequant_matvec``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from zoo.kernels.dequant_matvec import decode_bank, reference_linear
+from zoo.kernels.operands import Weight, plane_inputs, split_refs
+from zoo.kernels.tiles import n_tiles
+from zoo.kernels.tpu import LANES, block_specs, compiler_params, decode_chunk, spec_bytes, table_operands
+from zoo.quant.matmul import precision_for
+from zoo.quant.moe import dense_moe, swiglu
+
+F32 = jnp.float32
+
+__all__ = ["RaggedPlan", "ragged_plan", "moe_grouped", "linear_grouped", "reference_moe", "reference_linear"]
+
+
+class RaggedPlan(NamedTuple):
+    """``block_expert`` int32 [NB] (padding blocks repeat the last used expert), ``n_used`` int32
+    [1], ``row_token`` int32 [NB * bm] (the token of each sorted row; 0 for padding rows),
+    ``row_weight`` float32 [NB * bm] (0 for padding rows), ``slot_row`` int32 [N, k] (the sorted row
+    of each (token, slot))."""
+
+    block_expert: jax.Array
+    n_used: jax.Array
+    row_token: jax.Array
+    row_weight: jax.Array
+    slot_row: jax.Array
+
+
+def n_blocks(n_slots: int, n_experts: int, block_rows: int) -> int:
+    """Static upper bound on the blocks a plan of ``n_slots`` slots uses."""
+    return -(-n_slots // block_rows) + min(n_experts, n_slots)
+
+
+def ragged_plan(ids: jax.Array, weights: jax.Array, n_experts: int, block_rows: int) -> RaggedPlan:
+    """Sort the slots of ``ids [N, k]`` by expert into blocks of ``block_rows`` rows (on device)."""
+    n, k = ids.shape
+    flat = ids.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    counts = jnp.bincount(flat, length=n_experts)
+    blocks = -(-counts // block_rows)
+    block_end = jnp.cumsum(blocks)
+    group_start = jnp.cumsum(counts) - counts
+    rank = jnp.arange(n * k) - group_start[sorted_ids]
+    row = (block_end - blocks)[sorted_ids] * block_rows + rank
+    nb = n_blocks(n * k, n_experts, block_rows)
+    used = block_end[-1]
+    which = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(nb), side="right"), n_experts - 1)
+    block_expert = jnp.where(jnp.arange(nb) < used, which, sorted_ids[-1]).astype(jnp.int32)
+    rows = nb * block_rows
+    return RaggedPlan(
+        block_expert, used.reshape(1).astype(jnp.int32),
+        jnp.zeros(rows, jnp.int32).at[row].set(order // k),
+        jnp.zeros(rows, F32).at[row].set(weights.reshape(-1).astype(F32)[order]),
+        jnp.zeros(n * k, jnp.int32).at[order].set(row).reshape(n, k))
+
+
+def used_block(b, n_used):
+    """The block whose tiles a grid step uses: blocks past the used ones reuse the last used one's."""
+    return jnp.minimum(b, n_used[0] - 1)
+
+
+def expert_block(j, b, block_expert, n_used):
+    """Block index of a bank's planes at grid step (output tile ``j``, row block ``b``)."""
+    return block_expert[used_block(b, n_used)], 0, j
+
+
+# --- Pallas (TPU) ------------------------------------------------------------------------------
+
+
+def _grouped(xs: list[jax.Array], weights: list[Weight], x_of: list[int], block_expert, n_used,
+             block_rows: int, epilogue: Callable, out_dtype, row_weight: jax.Array | None,
+             interpret: bool) -> jax.Array:
+    """``epilogue(xs[x_of[i]][block] @ W_i[block expert] for i [, row weights]) -> [rows, out]``."""
+    rows, d_out, n_b = xs[0].shape[0], weights[0].d_out, block_expert.shape[0]
+    names, tables, table_specs = table_operands(weights)
+    row_block = lambda j, b, e, nu: (used_block(b, nu), 0)          # noqa: E731
+    x_specs = [pl.BlockSpec((block_rows, x.shape[1]), row_block) for x in xs]
+    extra = [] if row_weight is None else [row_weight]
+    extra_specs = [pl.BlockSpec((block_rows, 1), row_block) for _ in extra]
+    w_specs = [s for w in weights for s in block_specs(w, expert_block)]
+    dtype = xs[0].dtype
+    counts = [len(xs), len(extra)] + [len(w.planes) for w in weights] + [len(names), 1, len(weights)]
+
+    def kernel(block_expert_ref, n_used_ref, *refs):
+        x_refs, extra_refs, *w_refs, t_refs, (out_ref,), columns = split_refs(refs, counts)
+        tables_ = dict(zip(names, t_refs))
+        b = pl.program_id(1)
+        live = b < n_used_ref[0]
+        fresh = (b == 0) | (block_expert_ref[b] != block_expert_ref[jnp.maximum(b - 1, 0)])
+
+        @pl.when(live & fresh)
+        def _():
+            for w, refs_, column in zip(weights, w_refs, columns):
+                kc = w.tiling.chunk_inputs
+
+                def chunk(q, carry, w=w, refs_=refs_, column=column, kc=kc):
+                    column[pl.ds(pl.multiple_of(q * kc, kc), kc), :] = decode_chunk(w, refs_, tables_, q).astype(dtype)
+                    return carry
+
+                jax.lax.fori_loop(0, w.tiling.n_chunks, chunk, 0)
+
+        @pl.when(live)
+        def _():
+            accs = [jnp.dot(x_refs[x_of[i]][...], columns[i][...], precision=precision_for(dtype),
+                            preferred_element_type=F32) for i in range(len(weights))]
+            out_ref[...] = epilogue(*accs, *(r[...] for r in extra_refs)).astype(out_ref.dtype)
+
+    planes = [p for w in weights for p in w.planes]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(n_tiles(d_out, LANES), n_b),
+        in_specs=x_specs + extra_specs + w_specs + table_specs,
+        out_specs=pl.BlockSpec((block_rows, LANES), lambda j, b, e, nu: (used_block(b, nu), j)),
+        scratch_shapes=[pltpu.VMEM((w.order.size, LANES), dtype) for w in weights])
+    blocks = spec_bytes([*xs, *extra, *planes, *tables], grid_spec.in_specs) + block_rows * LANES * 4
+    scratch = sum(w.order.size for w in weights) * LANES * jnp.dtype(dtype).itemsize
+    return pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((rows, d_out), out_dtype),
+        compiler_params=compiler_params(blocks, scratch, max(w.tiling.chunk_inputs for w in weights)),
+        interpret=interpret,
+    )(block_expert, n_used, *xs, *extra, *planes, *tables)
+
+
+def moe_grouped(x, weights, ids, gate, up, down, limit, *, block_rows: int = 128,
+                interpret: bool = False) -> jax.Array:
+    """Routed experts over QArray banks for many rows (module docstring); ``[N, D]`` in x's dtype."""
+    dtype = x.dtype
+    plan = ragged_plan(ids, weights, gate.shape[0], block_rows)
+    g, u, d = (Weight.of(b) for b in (gate, up, down))
+    xs, x_of = plane_inputs(x, [g, u])
+    h = _grouped([xi[plan.row_token] for xi in xs], [g, u], x_of, plan.block_expert, plan.n_used, block_rows,
+                 lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, None, interpret)
+    weighted = lambda acc, w: jnp.where(w != 0, w * acc.astype(dtype).astype(F32), 0.0)    # noqa: E731
+    y = _grouped([h[:, d.order]], [d], [0], plan.block_expert, plan.n_used, block_rows, weighted, F32,
+                 plan.row_weight[:, None], interpret)
+    return jnp.sum(y[plan.slot_row], axis=1).astype(dtype)
+
+
+def linear_grouped(x: jax.Array, w, out_dtype, *, block_rows: int = 128, interpret: bool = False) -> jax.Array:
+    """``x [..., in] @ w`` for a 2-D QArray and many rows; ``[..., out]`` in ``out_dtype``."""
+    weight = Weight.of(w)
+    rows = x.reshape(-1, x.shape[-1])[:, weight.order]
+    n_b = -(-rows.shape[0] // block_rows)
+    rows = jnp.pad(rows, ((0, n_b * block_rows - rows.shape[0]), (0, 0)))
+    y = _grouped([rows], [weight], [0], jnp.zeros(n_b, jnp.int32), jnp.full((1,), n_b, jnp.int32), block_rows,
+                 lambda acc: acc, out_dtype, None, interpret)
+    return y[:np.prod(x.shape[:-1], dtype=int)].reshape(*x.shape[:-1], weight.d_out)
+
+
+# --- jnp reference -------------------------------------------------------------------------------
+
+
+def decode_logical(bank) -> jax.Array:
+    """A QArray bank decoded by the tile decoders, float32 ``[E, in, out]`` in logical input order."""
+    weight, order = decode_bank(bank)
+    return weight[:, np.argsort(order)]
+
+
+def reference_moe(x, weights, ids, gate, up, down, limit) -> jax.Array:
+    """jnp twin of :func:`moe_grouped`: every bank decoded once, then ``dense_moe``."""
+    return dense_moe(x, weights, ids, *(decode_logical(b).astype(x.dtype) for b in (gate, up, down)), limit)
