@@ -42,3 +42,21 @@ def bigram_variant(model):
     flat[("mtp", "final_norm", "weight")].set_value(flat[("norm", "weight")].get_value())
     module = nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
     return Model(module, model.config, model.tokenizer, dict(model.load_info))
+
+
+class CountingSource:
+    """A weight-source wrapper that records every read as ``(key, index, nbytes)``."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, []
+
+    def keys(self):
+        return self.inner.keys()
+
+    def info(self, key):
+        return self.inner.info(key)
+
+    def read(self, key, index=()):
+        out = self.inner.read(key, index)
+        self.reads.append((key, index, out.nbytes))
+        return out

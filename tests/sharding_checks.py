@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import zoo
-from tests.helpers import rel_err
+from tests.helpers import CountingSource, rel_err
 from zoo.mesh import make_mesh, state_shardings
 from zoo.models.cache_axes import cache_shardings
 
@@ -169,24 +169,6 @@ def _rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
-class CountingSource:
-    """A source wrapper that records the bytes of every read."""
-
-    def __init__(self, inner):
-        self.inner, self.reads = inner, []
-
-    def keys(self):
-        return self.inner.keys()
-
-    def info(self, key):
-        return self.inner.info(key)
-
-    def read(self, key, index=()):
-        out = self.inner.read(key, index)
-        self.reads.append((key, out.nbytes))
-        return out
-
-
 def memory(path: str, budget: int) -> dict:
     """Loading a float32 model onto 8 devices: host memory beyond the placed weights stays under
     ``budget`` (well under the model), and a column-parallel weight is read 1/8 at a time."""
@@ -213,8 +195,8 @@ def memory(path: str, budget: int) -> dict:
     source = CountingSource(SafetensorsSource(path))
     fill_from_source(abstract, source, arch(cfg.arch).hf_name_map(cfg), dense_store, mesh=mesh)
     gate = "model.layers.0.mlp.gate_proj.weight"             # column-parallel: read by output rows
-    gate_reads = [n for k, n in source.reads if k == gate]
-    out.update(largest_read=max(n for _, n in source.reads), largest_tensor=max(nbytes.values()),
+    gate_reads = [n for k, _, n in source.reads if k == gate]
+    out.update(largest_read=max(n for _, _, n in source.reads), largest_tensor=max(nbytes.values()),
                gate_proj_reads=gate_reads)
     assert len(gate_reads) == 8 and all(n * 8 == nbytes[gate] for n in gate_reads), gate_reads
     return out

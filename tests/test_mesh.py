@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 import zoo
+from tests.helpers import CountingSource
 from tests.test_plan import ROUTED_EXPERT_BYTES
 from tests.test_qarray import random_rows
 from zoo.api import StackedSlices
@@ -144,7 +145,7 @@ def test_read_plans_and_slice_views():
     assert plan.axes_of_source == (1, 0) and plan.sliced == (True, True) and (plan.block_axis, plan.block) == (0, 256)
     assert plan.read_index((slice(256, 512), slice(0, 32)), (512, 256)) == (slice(256, 512), slice(0, 32))
     assert plan.read_index((slice(0, 128), slice(0, 32)), (512, 256)) == (slice(0, 512), slice(0, 32))
-    counting, rows = _Counting(src), {}
+    counting, rows = CountingSource(src), {}
     view = SliceView(counting, key, (slice(0, 32), slice(256, 512)), rows)
     assert view.info(key).shape == (32, 256)
     assert np.array_equal(view.read(key), src.read(key)[:32, 136:272])
@@ -155,23 +156,6 @@ def test_read_plans_and_slice_views():
     assert ReadPlan.of(src, "blk.0.ffn_gate.weight", "T", (256, 512)).sliced == (True, True)
     heads = Transform("T", HeadOrder(axis=0, start=0, groups=4, per_group=3, unit=64))
     assert ReadPlan.of(src, "blk.0.attn_gate.weight", heads, (256, 768)).axes_of_source is None
-
-
-class _Counting:
-    """A source wrapper that records its reads."""
-
-    def __init__(self, inner):
-        self.inner, self.reads = inner, []
-
-    def keys(self):
-        return self.inner.keys()
-
-    def info(self, key):
-        return self.inner.info(key)
-
-    def read(self, key, index=()):
-        self.reads.append((key, index))
-        return self.inner.read(key, index)
 
 
 class _Dict:

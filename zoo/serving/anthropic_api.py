@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, collect
+from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, collect_finished
 from zoo.serving.errors import ApiError, parse_body
 from zoo.serving.reasoning import Reasoning, Text
 from zoo.serving.tool_parsers import ToolCallArgs, ToolCallEnd, ToolCallStart
@@ -186,14 +186,10 @@ async def messages(request: Request):
                "usage": {"input_tokens": len(prompt.ids), "output_tokens": 0}}
     if body.stream:
         return EventSourceResponse(_stream(events, job, message), ping=0, sep="\n")
-    try:
-        out, finish = await collect(events, request)
-    finally:
-        job.cancel()
-    if finish is None:
+    result = await collect_finished(events, request, job)
+    if result is None:
         return None                         # the client is gone
-    if finish.reason == "error":
-        raise ApiError(500, finish.error or "generation failed")
+    out, finish = result
     blocks: list[dict] = []
     for e in out:
         _add_to_blocks(blocks, e)

@@ -253,6 +253,20 @@ class Service:
         return dataclasses.replace(finish, reason="length" if job.finish_reason == "length" else "stop")
 
 
+async def collect_finished(events: AsyncIterator, request, job) -> tuple[list, Finish] | None:
+    """A non-streaming request's events and its Finish, the job cancelled once collected; None if
+    the client went away. A generation error becomes a 500."""
+    try:
+        out, finish = await collect(events, request)
+    finally:
+        job.cancel()
+    if finish is None:
+        return None
+    if finish.reason == "error":
+        raise ApiError(500, finish.error or "generation failed")
+    return out, finish
+
+
 async def collect(events: AsyncIterator, request) -> tuple[list, Finish | None]:
     """All events of a non-streaming request (made with ``tick=POLL_S``); (events, None) if the
     client went away meanwhile."""

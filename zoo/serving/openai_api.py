@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, OutputParser, collect
+from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, OutputParser, collect_finished
 from zoo.serving.errors import ApiError, parse_body
 from zoo.serving.reasoning import Reasoning, Text
 from zoo.serving.tool_parsers import ToolCallArgs, ToolCallStart
@@ -218,14 +218,10 @@ async def chat_completions(request: Request):
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(_chat_chunks(events, job, head, usage), ping=0, sep="\n")
-    try:
-        out, finish = await collect(events, request)
-    finally:
-        job.cancel()
-    if finish is None:
-        return None                     # the client is gone
-    if finish.reason == "error":
-        raise ApiError(500, finish.error or "generation failed")
+    result = await collect_finished(events, request, job)
+    if result is None:
+        return None                         # the client is gone
+    out, finish = result
     content = "".join(e.text for e in out if isinstance(e, Text))
     reasoning = "".join(e.text for e in out if isinstance(e, Reasoning))
     calls: list[dict] = []
@@ -303,14 +299,10 @@ async def completions(request: Request):
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(_completion_chunks(events, job, head, usage), ping=0, sep="\n")
-    try:
-        out, finish = await collect(events, request)
-    finally:
-        job.cancel()
-    if finish is None:
-        return None
-    if finish.reason == "error":
-        raise ApiError(500, finish.error or "generation failed")
+    result = await collect_finished(events, request, job)
+    if result is None:
+        return None                         # the client is gone
+    out, finish = result
     return {**head, "usage": _usage(finish), "choices": [{"index": 0, "text": "".join(e.text for e in out),
                                                           "finish_reason": finish.reason, "logprobs": None}]}
 
