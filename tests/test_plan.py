@@ -131,6 +131,8 @@ def test_plan_cli(capsys):
     assert doc["by_class"]["routed_experts"] == ROUTED_EXPERT_BYTES and doc["fits"] is True
     assert main(args + ["--budget-gb", "13"]) == 1
     assert "fits 13 GB per device: no" in capsys.readouterr().out
+    assert main(args + ["--layout", "ep", "--budget-gb", "16.9"]) == 1       # 16.96 GB per chip in 2x4 ep
+    assert "fits 16.9 GB per device: no" in capsys.readouterr().out
     assert main(["plan", str(DATA / "glm53-q256-udmix.gguf"), "--devices", "2"]) == 0
     assert "glm53-q256-udmix.gguf / as stored on 2 device(s)" in capsys.readouterr().out
     assert main(["plan", "glm53-flash"]) == 2

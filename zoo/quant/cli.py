@@ -1,6 +1,6 @@
 """The ``zoo plan`` and ``zoo audit`` subcommands (registered on ``zoo.cli``'s parser).
 
-    zoo plan NAME --quant RECIPE [--devices N] [--budget-gb X] [--json]
+    zoo plan NAME --quant RECIPE [--devices N] [--layout tp|ep] [--budget-gb X] [--json]
     zoo plan FILE.gguf [--quant RECIPE] [--devices N] [--budget-gb X] [--json]   header only
     zoo audit QUANT.gguf REF.gguf --tensors PATTERN [PATTERN ...] [--experts 0,4-7] [--rows 0:256]
               [--json OUT]
@@ -19,11 +19,11 @@ def _plan(args) -> int:
     from zoo.quant.plan import plan, plan_gguf
 
     if args.model.endswith(".gguf"):
-        result = plan_gguf(Path(args.model).expanduser(), args.devices, args.quant)
+        result = plan_gguf(Path(args.model).expanduser(), args.devices, args.quant, layout=args.layout)
     elif args.quant is None:
         raise ValueError(f"zoo plan {args.model}: --quant RECIPE is required (only a .gguf file is planned as stored)")
     else:
-        result = plan(args.model, quant=args.quant, devices=args.devices)
+        result = plan(args.model, quant=args.quant, devices=args.devices, layout=args.layout)
     budget = None if args.budget_gb is None else int(args.budget_gb * 1e9)
     if args.json:
         print(json.dumps(result.to_dict(budget), indent=2))
@@ -72,6 +72,7 @@ def add_commands(sub) -> None:
     p.add_argument("model", help="registry name, or a local .gguf file (the first of a split set)")
     p.add_argument("--quant", default=None, help="recipe (zoo.quant.recipes); a GGUF without it: as stored")
     p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--layout", default="tp", choices=["tp", "ep"], help="mesh layout of the per-device bytes")
     p.add_argument("--budget-gb", type=float, default=None, help="per-device budget for the weights (1 GB = 1e9 B)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=_plan)
