@@ -4,8 +4,8 @@ models, and the dispatch rule.
 * the GLM fixture's IQ2_S / IQ3_S expert banks through the decode and the grouped kernels;
 * the Qwen fixture's IQ3_XXS / IQ4_XS / Q6_K / Q8_0 matrices through both linear kernels;
 * the tiny quantized models loaded from those GGUFs give the same logits on the kernel path
-  (Pallas, interpret mode) as on the jnp path: Qwen through the decode kernels, GLM's prefill
-  through the grouped GEMM.
+  (Pallas, interpret mode) as on the jnp path: Qwen through the decode kernels, GLM through the
+  decode kernels (8 tokens) and through the grouped GEMM (128-token prefill).
 """
 
 from __future__ import annotations
@@ -83,6 +83,18 @@ def test_qwen_decode_logits_on_the_kernels_equal_the_jnp_path():
         ours = zoo.load(QWEN, dtype="float32").logits(ids[:1, :8])
     err = rel_err(ours, jnp_path[:1, :8])
     print(f"qwen38-q256-udmix, decode kernels vs jnp path: {err:.3e}")
+    assert err <= 1e-5
+
+
+def test_glm_decode_logits_on_the_kernels_equal_the_jnp_path():
+    """8 tokens (<= 16 rows: routed experts through the de-duplicating decode kernel) against the
+    jnp path; with the prefill test below, decode and prefill kernels agree on the same model."""
+    ids = np.load(DATA / "glm53-q256.input_ids.npy")
+    jnp_path = zoo.load(GLM, dtype="float32").logits(ids[:1, :8])
+    with use_policy(KERNELS):
+        ours = zoo.load(GLM, dtype="float32").logits(ids[:1, :8])
+    err = rel_err(ours, jnp_path)
+    print(f"glm53-q256-udmix, decode kernels vs jnp path: {err:.3e}")
     assert err <= 1e-5
 
 
