@@ -21,8 +21,9 @@ SCRIPTS = [
     "<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>",
     "one two END three",
     "<tool_call>get_weather<arg_key>days</arg_key><arg_value>" + "1" * 200 + "</arg_value></tool_call>",
+    "<think>first second third fourth fifth sixth seventh eighth ninth tenth</think>Done.",
 ]
-THINK, TOOL, NAMED, STOP, SLOW = range(5)
+THINK, TOOL, NAMED, STOP, SLOW, LONG = range(6)
 TOOLS = [{"name": "get_weather", "description": "Weather forecast", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
 MAX = 256
@@ -160,3 +161,23 @@ def test_errors(server):
     r = httpx.post(server.url + "/v1/messages", json={"model": "m", "messages": [user("hi")]},
                    headers={"x-api-key": KEY})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_thinking_budget_closes_the_reasoning(server):
+    """budget_tokens is enforced: after that many reasoning tokens the engine forces "</think>" into
+    the row, so the thinking block ends there and the answer follows in a text block."""
+    tok = server.tokenizer
+    ids = tok.encode(SCRIPTS[LONG])
+    assert ids[0] == tok.encode("<think>")[0]
+    full = client(server).messages.create(model="m", max_tokens=MAX, messages=[user(LONG)],
+                                          thinking={"type": "enabled", "budget_tokens": 1000})
+    assert blocks(full) == [("thinking", "first second third fourth fifth sixth seventh eighth ninth tenth"),
+                            ("text", "Done.")]
+    budget = 4
+    cut = client(server).messages.create(model="m", max_tokens=MAX, messages=[user(LONG)],
+                                         thinking={"type": "enabled", "budget_tokens": budget})
+    assert blocks(cut)[0] == ("thinking", tok.decode(ids[1:1 + budget]).strip())
+    assert [b[0] for b in blocks(cut)] == ["thinking", "text"] and blocks(cut)[1][1].endswith("Done.")
+    with pytest.raises(anthropic.BadRequestError):
+        client(server).messages.create(model="m", max_tokens=MAX, messages=[user(LONG)],
+                                       thinking={"type": "enabled", "budget_tokens": 0})

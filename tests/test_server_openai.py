@@ -35,7 +35,7 @@ def server(tmp_path_factory):
     model = scripted_model(tmp_path_factory.mktemp("qwen-ckpt"), QWEN_TEMPLATE, SCRIPTS)
     app = create_app(model, api_key=KEY, keepalive_s=0.1, model_name="tiny")
     with ServerThread(app) as s:
-        s.model = model
+        s.model, s.app = model, app
         client(s).chat.completions.create(model="tiny", messages=[user(REASON)], max_tokens=MAX)   # warm up
         yield s
 
@@ -221,3 +221,30 @@ def test_metrics_parse(server):
     assert all(v > 0 for v in value.values()), value
     assert {"zoo_time_to_first_token_seconds", "zoo_queue_depth", "zoo_spec_draft_tokens",
             "zoo_decode_tokens_per_second", "zoo_http_requests"} <= set(families)
+
+
+def test_thinking_budget_closes_the_reasoning(server):
+    """The zoo extension ``thinking_budget`` (and the server-wide default, ``zoo serve
+    --thinking-budget``): after that many reasoning tokens "</think>" is forced and the answer follows.
+    The template opened the reasoning in the prompt, so it counts from the first output token."""
+    tok = server.model.tokenizer
+    ids = tok.encode(SCRIPTS[REASON])
+    budget = 3
+    expected = tok.decode(ids[:budget]).strip()
+    assert expected and "The user greets me.".startswith(expected) and expected != "The user greets me."
+    r = client(server).chat.completions.create(model="tiny", messages=[user(REASON)], max_tokens=64,
+                                               extra_body={"thinking_budget": budget})
+    msg = r.choices[0].message
+    assert extra(msg, "reasoning_content") == expected and msg.content.endswith("The answer is 42.")
+    service = server.app.state.service
+    service.thinking_budget = budget
+    try:
+        s = stream_chat(server, model="tiny", messages=[user(REASON)], max_tokens=64)
+        assert (s["reasoning"], s["content"]) == (expected, msg.content)
+    finally:
+        service.thinking_budget = None
+    r = client(server).chat.completions.create(model="tiny", messages=[user(REASON)], max_tokens=64)
+    assert extra(r.choices[0].message, "reasoning_content") == "The user greets me."
+    with pytest.raises(openai.BadRequestError):
+        client(server).chat.completions.create(model="tiny", messages=[user(REASON)], max_tokens=64,
+                                               extra_body={"thinking_budget": 0})

@@ -138,3 +138,25 @@ def test_greedy_acceptance_is_argmax_equality():
     assert int(n[0]) == 2 and int(extra[0]) == 2
     n, extra = accept(keys, p, q, jnp.asarray([[1, 2]]), jnp.asarray([True]))
     assert int(n[0]) == 1 and int(extra[0]) == 0
+
+
+@pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("qwen38-tiny/bigram", 2), ("glm53-tiny/bigram", 3)])
+def test_thinking_budget_forces_the_close_and_the_model_continues_from_it(models, plain_runs, which, k):
+    """With a thinking budget B the row emits its own tokens up to B (B..B+k with speculation), then
+    the forced "\\n</think>\\n\\n" ids (sampling replaced, drafts rejected), then exactly what the
+    model generates when that text is in its context (teacher-forced reference)."""
+    model, budget, n_new = models[which], 5, 14
+    gen = model.generator(spec_tokens=k)
+    insert = list(gen.thinking_budget(budget).insert)
+    prompt, plain = PROMPTS[0], plain_runs[which][0].tokens
+    assert not set(gen.thinking_budget(budget).close) & set(plain[:budget + k])      # the model does not close
+    req = gen.submit(gen.make_request(prompt, max_new_tokens=n_new, thinking_budget=budget, thinking_opened=True))
+    while not req.done.is_set():
+        gen.step()
+    out = req.tokens
+    pos = next(i for i in range(budget, budget + k + 1) if out[i:i + len(insert)] == insert)
+    assert out[:pos] == plain[:pos]
+    assert req.stats["forced"] == len(insert)
+    head = pos + len(insert)
+    reference = model.generate([prompt + out[:head]], max_new_tokens=n_new - head)[0].tokens
+    assert out[head:] == reference and len(out) == n_new

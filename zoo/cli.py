@@ -76,7 +76,8 @@ def _serve(args) -> int:
     name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
     app = create_app(model, api_key=key, spec_tokens=args.spec, max_batch=args.max_batch, max_queue=args.max_queue,
                      queue_timeout_s=args.queue_timeout, model_name=name,
-                     tool_format=None if args.tool_format == "none" else args.tool_format)
+                     tool_format=None if args.tool_format == "none" else args.tool_format,
+                     thinking_budget=args.thinking_budget)
     sock = bind(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host
     base = f"http://{host}:{sock.getsockname()[1]}"
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
     s.add_argument("--tool-format", default="auto", choices=["auto", "qwen", "glm", "none"],
                    help="tool-call format to parse (auto: from the chat template / architecture)")
+    s.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                   help="force </think> after N reasoning tokens (default: unlimited; a request's own budget wins)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(fn=_serve)
 

@@ -43,7 +43,7 @@ class ToolChoice(_Body):
 
 class Thinking(_Body):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = Field(None, ge=1)   # enforced: </think> is forced after this many tokens
 
 
 class OutputConfig(_Body):
@@ -177,8 +177,10 @@ async def messages(request: Request):
     service = request.app.state.service
     body = parse_body(MessagesRequest, await request.body())
     prompt = _prompt(service, body)
+    budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
     job = await service.start(prompt.ids, max_tokens=body.max_tokens, temperature=body.temperature,
-                              top_p=body.top_p, top_k=body.top_k, seed=None)
+                              top_p=body.top_p, top_k=body.top_k, seed=None, thinking_budget=budget,
+                              thinking_opened=prompt.opens_reasoning)
     events = service.events(job, service.decoder(body.stop_sequences or []), prompt.parser,
                             prompt.initial, tick=None if body.stream else POLL_S)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,

@@ -130,6 +130,7 @@ class ChatPrompt:
     ids: list[int]
     parser: OutputParser
     initial: list
+    opens_reasoning: bool = False      # the prompt ends inside a reasoning block (no close added)
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Service:
     context: int                    # the model's maximum sequence length
     default_max_tokens: int
     keepalive_s: float
+    thinking_budget: int | None = None   # reasoning tokens before "</think>" is forced (None: unlimited)
 
     def __post_init__(self):
         self._hidden = frozenset(i for i, t in self.tokenizer.special_tokens().items() if t not in KEEP)
@@ -183,20 +185,26 @@ class Service:
         parser = OutputParser(reasoning=True, in_reasoning=in_reasoning, tools=tools_parser)
         parser.feed(close + prefill)                 # already in the prompt, not part of the answer
         initial = parser.feed(forced)
-        return ChatPrompt(self.tokenizer.encode(text + close + prefill + forced), parser, initial)
+        return ChatPrompt(self.tokenizer.encode(text + close + prefill + forced), parser, initial,
+                          opens_reasoning=in_reasoning and not close)
 
     # -- generation -------------------------------------------------------------------------------
     async def start(self, ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
-                    top_k: int, seed: int | None) -> Job:
+                    top_k: int, seed: int | None, thinking_budget: int | None = None,
+                    thinking_opened: bool = False) -> Job:
         """Submit a request and wait until it is admitted (429 / 503 from the queue; 400 if the
-        engine can never fit it)."""
+        engine can never fit it). ``thinking_budget``: reasoning tokens after which ``</think>`` is
+        forced (``thinking_opened``: the prompt ends inside ``<think>``)."""
         if len(ids) >= self.context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
         budget = self.context - len(ids)
         max_new = min(max_tokens or self.default_max_tokens, budget)
+        if thinking_budget is None:
+            thinking_budget = self.thinking_budget
         job = self.engine.submit(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
-                                 seed=random.getrandbits(31) if seed is None else seed)
+                                 seed=random.getrandbits(31) if seed is None else seed,
+                                 thinking_budget=thinking_budget, thinking_opened=thinking_opened)
         try:
             await job.admitted()
         except BaseException:

@@ -14,6 +14,10 @@ left-padded to a power-of-two bucket: a few bounded compilations) into a cache o
 length, then inserted into a free row. The batch grows (rows doubling from ``MIN_ROWS`` up to ``max_batch``,
 slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_budget`` allows;
 otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
+
+Forced tokens: a request may have ids queued in ``Request.forcing`` (a thinking budget closing the
+reasoning, ``zoo.serving.thinking``); each step then emits the next of them for that row instead of
+sampling (speculative rows reject their drafts that step), and the model continues from it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from zoo.mesh import on_mesh
 from zoo.models.cache_axes import shard_cache
 from zoo.serving import speculative
 from zoo.serving.sampling import sample
+from zoo.serving.thinking import ThinkingBudget
 
 PREFILL_CHUNK = 1024
 PREFILL_MIN = 16
@@ -63,6 +68,8 @@ class Request:
     on_tokens: Callable[["Request", list[int]], None] | None = None   # called from the engine thread
     on_finish: Callable[["Request"], None] | None = None   # called once from the engine thread, after done
     on_admit: Callable[["Request"], None] | None = None    # engine thread: it got a row, its prefill starts
+    thinking: ThinkingBudget | None = None                  # closes the reasoning after a budget of tokens
+    forcing: collections.deque = field(default_factory=collections.deque)   # ids the next steps emit
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: dict = field(default_factory=dict)
@@ -161,16 +168,19 @@ class Generator:
             _, _, cache = model.mtp_forward(hidden, next_ids, next_mask, cache)
         return logits[:, -1], hidden[:, -1], shard_cache(cache)
 
-    def _step_impl(self, state, batch, active):
+    def _step_impl(self, state, batch, active, force):
+        """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample)."""
         model = nnx.merge(self._graphdef, state)
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
         keys = _row_keys(params)
         if self.k:
-            cache, carry, tokens, n = speculative.spec_step(model, cache, carry, active, keys, params, self.k)
+            cache, carry, tokens, n = speculative.spec_step(model, cache, carry, active, keys, params, self.k,
+                                                            force)
         else:
             tok = carry["tok"]
             logits, _, cache = model(tok[:, None], active[:, None], cache)
             new = sample(logits[:, 0], keys, params["temperature"], params["top_k"], params["top_p"])
+            new = jnp.where(force >= 0, force, new)
             carry = {"tok": jnp.where(active, new, tok)}
             tokens, n = new[:, None], active.astype(jnp.int32)
         params = {**params, "step": params["step"] + active.astype(jnp.int32)}
@@ -296,14 +306,19 @@ class Generator:
         active = np.array([r is not None for r in self._rows], bool)
         if not active.any():
             return bool(self._waiting)
-        self._batch, tokens, counts = self._step_fn(self._state, self._batch, jnp.asarray(active))
+        force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
+        self._batch, tokens, counts = self._step_fn(self._state, self._batch, jnp.asarray(active),
+                                                    jnp.asarray(force))
         tokens, counts = np.asarray(tokens), np.asarray(counts)
         for r, req in enumerate(self._rows):
             if req is None:
                 continue
             n = int(counts[r])
             req.stats["steps"] += 1
-            if self.k:
+            if force[r] >= 0:
+                req.forcing.popleft()
+                req.stats["forced"] = req.stats.get("forced", 0) + 1
+            elif self.k:
                 req.stats["drafted"] += self.k
                 req.stats["accepted"] += n - 1
                 for i in range(n - 1):
@@ -324,6 +339,8 @@ class Generator:
             if len(req.tokens) + len(accepted) >= req.max_new_tokens:
                 break
         self._emit(req, accepted)
+        if req.thinking is not None:
+            req.forcing.extend(req.thinking.observe(accepted))
         if req.stop_strings and self._cut_at_stop_string(req):
             return self._finish(req, "stop")
         if len(req.tokens) >= req.max_new_tokens:
@@ -360,14 +377,26 @@ class Generator:
 
     # -- Python API ---------------------------------------------------------------------------
     def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
-                     top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None) -> Request:
+                     top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None,
+                     thinking_budget: int | None = None, thinking_opened: bool = False) -> Request:
+        """``thinking_budget``: reasoning tokens after which ``</think>`` is forced (see
+        ``zoo.serving.thinking``); ``thinking_opened``: the prompt ends inside ``<think>``."""
         stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
         strings = tuple(s for s in stop if isinstance(s, str))
         if strings and self.model.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         ids = frozenset(int(s) for s in stop if not isinstance(s, str)) | self.eos_token_ids
+        thinking = None if thinking_budget is None else self.thinking_budget(thinking_budget, thinking_opened)
         return Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
-                       int(top_k), int(seed), ids, strings, on_tokens, on_finish, on_admit)
+                       int(top_k), int(seed), ids, strings, on_tokens, on_finish, on_admit, thinking)
+
+    def thinking_budget(self, budget: int, opened: bool = False) -> ThinkingBudget:
+        """A ``ThinkingBudget`` with this model's ``<think>`` / ``</think>`` token ids."""
+        tok = self.model.tokenizer
+        if tok is None:
+            raise ValueError("a thinking budget needs a tokenizer; this model has none")
+        return ThinkingBudget(int(budget), open=tuple(tok.encode("<think>")), close=tuple(tok.encode("</think>")),
+                              insert=tuple(tok.encode("\n</think>\n\n")), opened=opened)
 
     def generate(self, input_ids, **kwargs) -> list[Generation]:
         reqs = [self.submit(self.make_request(p, **kwargs)) for p in input_ids]

@@ -161,7 +161,7 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-               seed: int) -> Job:
+               seed: int, thinking_budget: int | None = None, thinking_opened: bool = False) -> Job:
         """Queue a request (call from the event loop); 429 when the queue is full, 503 if the engine died."""
         if not self.alive:
             raise ApiError(503, self.error or "the engine is not running", code="engine_down")
@@ -171,7 +171,8 @@ class Engine:
         job = Job(self, asyncio.get_running_loop())
         job.req = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                               top_p=top_p, top_k=top_k, seed=seed, on_tokens=job.on_tokens,
-                                              on_finish=job.on_finish, on_admit=job.on_admit)
+                                              on_finish=job.on_finish, on_admit=job.on_admit,
+                                              thinking_budget=thinking_budget, thinking_opened=thinking_opened)
         with self._lock:
             self._jobs.add(job)
         self._waiting += 1

@@ -67,6 +67,7 @@ class ChatRequest(Sampling):
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None
     reasoning_effort: str | None = None
+    thinking_budget: int | None = Field(None, ge=1)   # zoo extension: force </think> after N reasoning tokens
     chat_template_kwargs: dict | None = None
     response_format: dict | None = None
 
@@ -210,7 +211,8 @@ async def chat_completions(request: Request):
                                  thinking=thinking, template_kwargs=kwargs)
     job = await service.start(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
                               temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                              seed=body.seed)
+                              seed=body.seed, thinking_budget=body.thinking_budget,
+                              thinking_opened=prompt.opens_reasoning)
     events = service.events(job, service.decoder(_stops(body.stop)), prompt.parser, prompt.initial,
                             tick=None if body.stream else POLL_S)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model or

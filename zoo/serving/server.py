@@ -58,7 +58,7 @@ def _require_key(api_key: str | None):
 def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_batch: int = 16,
                max_queue: int = 64, queue_timeout_s: float = 60.0, keepalive_s: float = 15.0,
                model_name: str | None = None, tool_format: str | None = "auto", default_max_tokens: int = 4096,
-               memory_budget: int | None = None) -> FastAPI:
+               memory_budget: int | None = None, thinking_budget: int | None = None) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP
@@ -66,7 +66,12 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     (more: 429); queue_timeout_s: how long one may wait (then 503). keepalive_s: silence after
     which a stream gets a keep-alive comment / ping. tool_format: "qwen", "glm", None (tool calls
     are not parsed) or "auto" (from the chat template, else ``model.config.arch``).
+    thinking_budget: reasoning tokens after which "</think>" is forced into a chat request's output
+    (None: unlimited); an Anthropic ``thinking.budget_tokens`` or OpenAI ``thinking_budget`` field
+    of a request takes its place.
     """
+    if thinking_budget is not None and thinking_budget < 1:
+        raise ValueError(f"thinking_budget must be >= 1, got {thinking_budget}")
     if model.tokenizer is None:
         raise ValueError("serving needs a tokenizer; this model has none")
     if tool_format == "auto":
@@ -78,7 +83,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     engine = Engine(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-    service = Service(engine, model.tokenizer, name, tool_format, context, default_max_tokens, keepalive_s)
+    service = Service(engine, model.tokenizer, name, tool_format, context, default_max_tokens, keepalive_s,
+                      thinking_budget)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

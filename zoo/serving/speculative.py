@@ -57,11 +57,13 @@ def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
 
 
-def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Array, params: dict, k: int):
+def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Array, params: dict, k: int,
+              force: jax.Array | None = None):
     """One speculative decode step for every row (see module docstring).
 
     pending: ``{"h": [B, k+1, D], "tok": [B, k+1] int32, "n": [B] int32}`` rows for the MTP;
-    active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B].
+    active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B];
+    force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token.
     Returns (cache, pending, tokens [B, k+1] int32, n_tokens [B] int32 (0 for inactive rows)).
     """
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
@@ -91,6 +93,9 @@ def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Ar
                                keep_steps=True)
     p = probs(p_logits, temp, top_k, top_p)
     n_acc, extra = accept(sub[:, k], p, jnp.stack(qs, axis=1), drafts, greedy)
+    if force is not None:
+        n_acc = jnp.where(force >= 0, 0, n_acc)
+        extra = jnp.where(force >= 0, force, extra)
     n_keep = jnp.where(active, n_acc + 1, 0)
     cache = model.rollback(cache, before, n_keep)
     pos = jnp.arange(k + 1)[None, :]
