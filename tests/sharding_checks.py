@@ -10,6 +10,8 @@ Oracle (DESIGN.md): the same computation on one device, <= 1e-5 relative.
 
 from __future__ import annotations
 
+import collections
+
 import json
 import re
 import sys
@@ -77,6 +79,14 @@ def generate_and_check(model, reference_logits_fn, vocab: int) -> dict:
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (jax.tree_util.keystr(path), leaf.sharding, sharding)
         split += any(a is not None for a in sharding.spec)
     assert split, "no cache leaf is split"
+    # admission counts one device's share of the batch state (its memory budget is one device's)
+    per_device = collections.Counter()
+    for leaf in jax.tree.leaves(gen._batch):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] += shard.data.nbytes
+    rest = sum(x.nbytes for k, v in gen._batch.items() if k != "cache" for x in jax.tree.leaves(v))
+    counted, total = gen.cache_bytes(gen._B, gen._L), sum(x.nbytes for x in jax.tree.leaves(gen._batch))
+    assert max(per_device.values()) <= counted <= max(per_device.values()) + rest < total, (counted, per_device, total)
     ids = np.array([p + t[:NEW - 1] for p, t in zip(ps, tokens)])
     logits = reference_logits_fn(ids)
     argmax = logits[:, PROMPT - 1:].argmax(-1).tolist()

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from zoo.mesh import on_mesh
-from zoo.models.cache_axes import shard_cache
+from zoo.models.cache_axes import cache_shardings, shard_cache
 from zoo.serving import speculative
 from zoo.serving.sampling import sample
 from zoo.serving.thinking import ThinkingBudget
@@ -188,10 +188,22 @@ class Generator:
 
     # -- admission ----------------------------------------------------------------------------
     def cache_bytes(self, rows: int, length: int) -> int:
-        """Bytes of the batch state (cache, carry, params) for ``rows`` x ``length`` slots."""
+        """Bytes of the batch state (cache, carry, params) for ``rows`` x ``length`` slots on one
+        device: on a mesh, each cache leaf counts with its shard shape (the memory budget is one
+        device's), the small carry and params as replicated."""
         if (rows, length) not in self._cache_bytes:
             shapes = jax.eval_shape(lambda: self._empty_impl(rows, length))
-            self._cache_bytes[rows, length] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+            mesh = getattr(self.model, "mesh", None)
+            cache = jax.tree.leaves(shapes["cache"])
+            if mesh is None:
+                shard_shapes = [x.shape for x in cache]
+            else:
+                shardings = jax.tree.leaves(cache_shardings(shapes["cache"], mesh))
+                shard_shapes = [s.shard_shape(x.shape) for x, s in zip(cache, shardings)]
+            rest = jax.tree.leaves({k: v for k, v in shapes.items() if k != "cache"})
+            self._cache_bytes[rows, length] = (
+                sum(int(np.prod(shape)) * x.dtype.itemsize for x, shape in zip(cache, shard_shapes))
+                + sum(x.size * x.dtype.itemsize for x in rest))
         return self._cache_bytes[rows, length]
 
     def _need(self, req: Request) -> int:
