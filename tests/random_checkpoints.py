@@ -77,6 +77,30 @@ def _on_disk(path: str, value: np.ndarray) -> dict[str, np.ndarray]:
     raise AssertionError(path)
 
 
+# GLM-5's MTP layer is stored as one more decoder layer, ``model.layers.{num_hidden_layers}``;
+# Qwen3.x's at the top level: ``mtp.layers.0.*`` and ``mtp.fc`` / ``mtp.pre_fc_norm_*`` / ``mtp.norm``.
+GLM_MTP = (("mtp.block.", ""), ("mtp.fc.", "eh_proj."), ("mtp.embed_norm.", "enorm."),
+           ("mtp.hidden_norm.", "hnorm."), ("mtp.final_norm.", "shared_head.norm."))
+QWEN_MTP = {"mtp.fc.kernel": ("mtp.fc.weight", "T"), "mtp.embed_norm.weight": ("mtp.pre_fc_norm_embedding.weight", None),
+            "mtp.hidden_norm.weight": ("mtp.pre_fc_norm_hidden.weight", None),
+            "mtp.final_norm.weight": ("mtp.norm.weight", None)}
+
+
+def _hf_tensors(path: str, value: np.ndarray, cfg) -> dict[str, np.ndarray]:
+    """The on-disk tensors of one parameter (``NAMES``, with each architecture's MTP nesting)."""
+    if cfg.arch == "glm5next":
+        for prefix, inside in GLM_MTP:
+            if path.startswith(prefix):
+                return _on_disk(f"layers.{cfg.num_hidden_layers}.{inside}{path[len(prefix):]}", value)
+    elif path in QWEN_MTP:
+        name, layout = QWEN_MTP[path]
+        return {name: np.ascontiguousarray(value.T) if layout == "T" else value}
+    elif path.startswith("mtp.block."):
+        inner = _on_disk("layers.0." + path[len("mtp.block."):], value)
+        return {"mtp." + k[len("model."):]: v for k, v in inner.items()}
+    return _on_disk(path, value)
+
+
 def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (float32) of a random model into ``path``."""
     path = Path(path)
@@ -88,7 +112,7 @@ def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> Path:
     tensors: dict[str, np.ndarray] = {}
     for p, var in nnx.to_flat_state(nnx.state(abstract)):
         name = ".".join(map(str, p))
-        tensors.update(_on_disk(name, _value(name, tuple(var.get_value().shape), rng, zero_centered)))
+        tensors.update(_hf_tensors(name, _value(name, tuple(var.get_value().shape), rng, zero_centered), cfg))
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
     return path

@@ -102,7 +102,10 @@ def glm(path: str) -> dict:
     check_placement(tp)
     gen = generate_and_check(tp, ref.logits, vocab)
     ids = gen["ids"]
-    out = {"tp_err": rel_err(tp.logits(ids), ref.logits(ids)), "tp_cache_split": gen["cache_leaves_split"]}
+    spec = tp.generate(prompts(vocab), max_new_tokens=NEW, spec_tokens=2)    # MTP verify + rollback on the mesh
+    assert [g.tokens for g in spec] == gen["tokens"], ([g.tokens for g in spec], gen["tokens"])
+    out = {"tp_err": rel_err(tp.logits(ids), ref.logits(ids)), "tp_cache_split": gen["cache_leaves_split"],
+           "tp_spec_steps": sum(g.stats["steps"] for g in spec)}
     fractions = shard_fractions(tp)
     split = {p: f for p, f in fractions.items() if TP_SPLIT.match(p)}
     assert len(split) >= 15 and all(f == 1 / 8 for f in split.values()), split
@@ -128,6 +131,8 @@ def qwen(path: str) -> dict:
     check_placement(ep)
     gen = generate_and_check(ep, ref.logits, vocab)
     ids = gen["ids"]
+    spec = ep.generate(prompts(vocab), max_new_tokens=NEW, spec_tokens=3)    # DeltaNet rollback on the mesh
+    assert [g.tokens for g in spec] == gen["tokens"], ([g.tokens for g in spec], gen["tokens"])
     tp = zoo.load(path, dtype="float32", mesh=make_mesh("tp"))
     split = {p: f for p, f in shard_fractions(tp).items() if TP_SPLIT.match(p)}
     assert len(split) >= 8 and all(f == 1 / 8 for f in split.values()), split

@@ -36,12 +36,13 @@ GLM = {"model_type": "glm5_next_text", "vocab_size": 256, "hidden_size": 64, "in
        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 8, "index_head_dim": 16,
        "index_kpool": 4, "index_topk": 8, "linear_num_heads": 8, "linear_head_dim": 16, "swiglu_limit": 2.0,
        "layer_types": ["linear_attention", "indexed_attention", "indexed_attention"],
-       "indexer_types": ["full", "full", "shared"], "mlp_layer_types": ["dense", "sparse", "sparse"]}
+       "indexer_types": ["full", "full", "shared"], "mlp_layer_types": ["dense", "sparse", "sparse"],
+       "num_nextn_predict_layers": 1}
 QWEN = {"model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
         "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16, "linear_num_key_heads": 4,
         "linear_num_value_heads": 8, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 0, "tie_word_embeddings": False}
+        "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False}
 # float32 Qwen of ~200 MB whose largest tensor is 16 MB, for the host-memory check
 QWEN_BIG = {**QWEN, "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
             "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
