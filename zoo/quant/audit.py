@@ -13,8 +13,8 @@ dequantized bit-exactly (``zoo.quant.dequantize``) and viewed as float64 ``[rows
 
 Banks get one row per expert plus one ``expert="all"`` row over every chosen expert together.
 Only the chosen experts and rows are read (one expert at a time; ``GGUFSource.read`` with an index
-touches only those bytes of the memory-mapped files). Local files only: range reads from the hub
-are not implemented.
+touches only those bytes of the memory-mapped files). Remote files (``hf://OWNER/REPO/PATH.gguf``,
+``https://...``) are read with HTTP range requests: the headers, then those same byte ranges.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
     zoo plan NAME --quant RECIPE [--devices N] [--layout tp|ep] [--budget-gb X] [--json]
     zoo plan FILE.gguf [--quant RECIPE] [--devices N] [--budget-gb X] [--json]   header only
+    (FILE.gguf and the audit's files may be remote: hf://OWNER/REPO[@REV]/PATH.gguf or https://...,
+    read with HTTP range requests: see zoo.quant.remote)
     zoo audit QUANT.gguf REF.gguf --tensors PATTERN [PATTERN ...] [--experts 0,4-7] [--rows 0:256]
               [--json OUT]
 
@@ -19,7 +21,9 @@ def _plan(args) -> int:
     from zoo.quant.plan import plan, plan_gguf
 
     if args.model.endswith(".gguf"):
-        result = plan_gguf(Path(args.model).expanduser(), args.devices, args.quant, layout=args.layout)
+        from zoo.quant.remote import is_remote
+        where = args.model if is_remote(args.model) else Path(args.model).expanduser()
+        result = plan_gguf(where, args.devices, args.quant, layout=args.layout)
     elif args.quant is None:
         raise ValueError(f"zoo plan {args.model}: --quant RECIPE is required (only a .gguf file is planned as stored)")
     else:
@@ -69,7 +73,8 @@ def rows_arg(text: str) -> tuple[int, int]:
 def add_commands(sub) -> None:
     """Add ``plan`` and ``audit`` to the ``zoo`` command's subparsers."""
     p = sub.add_parser("plan", help="memory plan of a model x recipe x devices (no download), or of a GGUF header")
-    p.add_argument("model", help="registry name, or a local .gguf file (the first of a split set)")
+    p.add_argument("model", help="registry name, or a .gguf file (the first of a split set; local, "
+                                 "hf://OWNER/REPO[@REV]/PATH.gguf or https://...)")
     p.add_argument("--quant", default=None, help="recipe (zoo.quant.recipes); a GGUF without it: as stored")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--layout", default="tp", choices=["tp", "ep"], help="mesh layout of the per-device bytes")

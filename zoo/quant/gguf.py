@@ -14,7 +14,9 @@ is ``(V, D)`` here): a matrix is ``[out, in]`` like a torch Linear weight, stack
 axes only (one expert, a range of rows), and only those bytes are touched.
 
 Split sets (``name-00001-of-00003.gguf``, as written by ``gguf-split`` and ``GGUFWriter``): any
-shard opens the whole set; the metadata is the first shard's. Every header is validated by
+shard opens the whole set; the metadata is the first shard's. A remote reference
+(``hf://OWNER/REPO[@REV]/PATH.gguf`` or an ``https://`` URL, ``zoo.quant.remote``) is read with HTTP
+range requests: the headers when it opens, then the bytes each ``read`` touches. Every header is validated by
 ``check_header`` before ``gguf.GGUFReader`` parses it, so corrupt or truncated files raise
 ``SourceError`` naming the file (and the tensor or key) instead of crashing or hanging the
 reader (which loops forever on an array whose length runs past the end of the file).
@@ -147,8 +149,9 @@ class _Cursor:
                     self.skip_value(itype, what, depth + 1)
 
 
-def check_header(path: Path, data: memoryview) -> None:
+def check_header(path: Path, data: memoryview) -> int:
     """Validate a whole GGUF header and the byte range of every tensor; raise ``SourceError``.
+    Returns where the tensor data starts (the header's end, aligned).
 
     Checks: magic, version (2 or 3, little-endian), every key/value (known value types, lengths
     inside the file, no duplicate keys, ``general.alignment`` a power of two), every tensor info
@@ -201,6 +204,7 @@ def check_header(path: Path, data: memoryview) -> None:
         if end > len(data):
             raise SourceError(f"{path}: tensor {name!r} needs bytes up to {end}, the file has "
                               f"{len(data)} (truncated?)")
+    return data_start
 
 
 def tensor_bytes(path: Path, name: str, ne: list[int], raw_type: int) -> int:
@@ -268,11 +272,27 @@ def _open_shard(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
     return _read_metadata(path, reader), tensors
 
 
+def _touched(array: np.ndarray, index: tuple) -> tuple[int, int]:
+    """Byte range [lo, hi) of ``array`` (a view from its first byte) that ``array[index]`` reads:
+    exact for ints and slices, the whole array for other (advanced) indices."""
+    if not all(isinstance(i, (int, np.integer, slice)) or i is Ellipsis for i in index):
+        return 0, array.nbytes
+    view = array[index]
+    if view.size == 0:
+        return 0, 0
+    lo, hi = np.lib.array_utils.byte_bounds(view)
+    base = np.lib.array_utils.byte_bounds(array)[0]
+    return lo - base, hi - base
+
+
 class GGUFSource:
     """All tensors and the metadata of a GGUF file or split set (see the module docstring)."""
 
     def __init__(self, path: str | Path):
-        path = Path(path).expanduser()
+        from zoo.quant.remote import RemoteGGUF, is_remote
+
+        self.remote = RemoteGGUF(path) if is_remote(path) else None
+        path = self.remote.path if self.remote is not None else Path(path).expanduser()
         self.files = shard_paths(path)
         self._tensors: dict[str, GGUFTensorInfo] = {}
         first: dict[str, Any] = {}
@@ -325,6 +345,9 @@ class GGUFSource:
         mm = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
         array = mm.view(info.dtype).reshape(info.stored_shape)
         try:
+            if self.remote is not None:
+                lo, hi = _touched(array, index)
+                self.remote.ensure(info.file, info.offset + lo, info.offset + hi)
             return np.array(array[index])
         except IndexError as e:
             raise SourceError(f"{info.file}: tensor {key!r} of shape {info.shape}: bad index {index} ({e})") from None

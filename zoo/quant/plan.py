@@ -3,7 +3,7 @@ alone (no download), or from a GGUF header.
 
     plan(name, quant=..., devices=8, layout="tp") -> Plan   a registry name: its preset + a recipe
     plan_config(cfg, recipe, devices) -> Plan    any config (e.g. a test-local one)
-    plan_gguf(path, devices) -> Plan             a local GGUF's header: its tensors as stored
+    plan_gguf(path, devices) -> Plan             a GGUF's header (local, hf:// or https://): its tensors as stored
 
 The tensor inventory of an architecture is written in llama.cpp's GGUF names and numpy-order
 shapes (matrices ``[out, in]``, expert banks ``[E, out, in]``); the tests check it against real
