@@ -87,12 +87,18 @@ def moe_oracle(x, weights, ids, gate, up, down, limit) -> np.ndarray:
 
 def routings(rows: int, top_k: int, n_experts: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Routing cases for ``rows`` rows: every row on the same experts; rows as distinct as the
-    experts allow; a random mix. (ids int32 [rows, k], weights float32 [rows, k])."""
+    experts allow; a random mix; the mix as one device of the expert-parallel layout sees it (slots
+    of other devices' experts as expert 0 with weight 0, which no kernel may read).
+    (ids int32 [rows, k], weights float32 [rows, k])."""
     rng = np.random.default_rng(seed)
     same = np.tile(rng.permutation(n_experts)[:top_k], (rows, 1))
     distinct = (np.arange(rows * top_k) % n_experts).reshape(rows, top_k)
     mixed = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(rows)])
-    return [(ids.astype(np.int32), rng.random((rows, top_k)).astype(np.float32)) for ids in (same, distinct, mixed)]
+    cases = [(ids.astype(np.int32), rng.random((rows, top_k)).astype(np.float32)) for ids in (same, distinct, mixed)]
+    ids, weights = cases[2][0].copy(), cases[2][1].copy()
+    elsewhere = ids >= n_experts // 2
+    ids[elsewhere], weights[elsewhere] = 0, 0.0
+    return cases + [(ids, weights)]
 
 
 def rel_err(ours, theirs) -> float:

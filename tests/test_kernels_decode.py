@@ -16,6 +16,7 @@ from gguf import quants as gq
 from tests.kernel_cases import (KERNEL_TYPES, LIMIT, activations, bank, blocks, jit_static, moe_oracle, raw_blocks,
                                 rel_err, routings, tpu_custom_calls, triton_calls)
 from zoo.kernels import dequant_matvec as mv
+from zoo.kernels import grouped_matmul as gm
 from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels.formats import FORMATS
 from zoo.kernels.tiles import decode_parts, plane_order, tiling_for
@@ -69,6 +70,11 @@ def test_expert_plan_deduplicates_and_pads():
     assert np.array_equal(np.asarray(plan.row_weights), expected)
     one = mv.expert_plan(jnp.asarray([[3, 3]]), jnp.ones((1, 2)), n_experts=4)   # padding = the only expert
     assert one.experts.tolist() == [3, 3] and one.n_valid.tolist() == [1]
+    # slots with weight 0 (another device's experts in the ep layout) are no slots: expert 0 is not used
+    dead = mv.expert_plan(jnp.asarray([[0, 6], [0, 2]]), jnp.asarray([[0.0, 0.5], [0.0, 0.25]]), n_experts=8)
+    assert dead.experts.tolist() == [2, 6, 6, 6] and dead.n_valid.tolist() == [2]
+    none = mv.expert_plan(jnp.asarray([[0, 0]]), jnp.zeros((1, 2)), n_experts=8)
+    assert none.experts.tolist() == [0, 0] and none.n_valid.tolist() == [0] and not np.any(np.asarray(none.row_weights))
 
 
 def test_deduplication_reads_each_distinct_expert_once():
@@ -81,6 +87,23 @@ def test_deduplication_reads_each_distinct_expert_once():
                    for j in range(tiles) for u in range(slots)]
     reads = 1 + sum(a != b for a, b in zip(blocks_seen, blocks_seen[1:]))
     assert slots == 8 and reads == tiles * 3
+    ep = mv.expert_plan(ids, jnp.where(ids == 0, 0.0, 1.0), n_experts=8)          # expert 0 owned elsewhere
+    seen = {tuple(int(i) for i in mv.weight_block(j, u, ep.experts, ep.n_valid)) for j in range(tiles)
+            for u in range(slots)}
+    assert {e for e, _, _ in seen} == {3, 5}
+
+
+def test_a_step_without_slots_reads_nothing_and_returns_zeros():
+    """Every slot owned by another device: the kernels are not run at all (no expert is read)."""
+    banks, _ = moe_banks(QType.Q8_0)
+    x = jnp.asarray(activations((3, banks[0].shape[1]), seed=1))
+    ids, weights = jnp.zeros((3, TOP_K), jnp.int32), jnp.zeros((3, TOP_K), jnp.float32)
+    for fn in (functools.partial(mv.moe_matvec, interpret=True), mv.reference_moe,
+               functools.partial(gm.moe_grouped, block_rows=8, interpret=True)):
+        assert not np.any(np.asarray(jit_static(fn, 6)(x, weights, ids, *banks, LIMIT)))
+    jaxpr = str(jax.make_jaxpr(functools.partial(mv.moe_matvec, interpret=False, limit=LIMIT))(
+        x, weights, ids, *banks))
+    assert "cond" in jaxpr                  # the pallas_calls sit in the branch taken only with slots
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)

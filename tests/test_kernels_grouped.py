@@ -35,6 +35,13 @@ def test_ragged_plan_sorts_slots_into_single_expert_blocks():
     assert len(set(rows.ravel().tolist())) == rows.size
     padding = np.setdiff1d(np.arange(n_used * 2), rows.ravel())
     assert np.all(np.asarray(plan.row_weight)[padding] == 0)
+    # weight-0 slots (other devices' experts in the ep layout) get no row and no block
+    dead = np.asarray(weights).copy()
+    dead[np.asarray(ids) == 2] = 0
+    plan = gm.ragged_plan(ids, jnp.asarray(dead), n_experts=4, block_rows=2)
+    assert plan.n_used.tolist() == [3] and plan.block_expert.tolist()[:3] == [0, 1, 3]
+    rows = np.asarray(plan.slot_row)
+    assert np.all(rows[np.asarray(ids) == 2] == 9 * 2) and np.all(rows[np.asarray(ids) != 2] < 3 * 2)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -48,12 +55,15 @@ def test_grouped_moe_kernel_matches_reference_and_gguf(qtype):
     ids = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(rows)]).astype(np.int32)
     ids[:9, 0] = 5                                                              # expert 5 spans two blocks
     weights = rng.random((rows, TOP_K)).astype(np.float32)
-    ours = jit_static(functools.partial(gm.moe_grouped, block_rows=BLOCK_ROWS, interpret=True), 6)(
-        x, weights, ids, *banks, LIMIT)
-    theirs = jit_static(mv.reference_moe, 6)(x, weights, ids, *banks, LIMIT)
-    oracle = moe_oracle(x, weights, ids, *dense, LIMIT)
-    errors = rel_err(ours, oracle), rel_err(theirs, oracle), rel_err(ours, theirs)
-    assert max(errors) <= TOL, errors
+    ep_ids, ep_weights = ids.copy(), weights.copy()                             # as one device of "ep" sees it
+    ep_ids[ids >= 4], ep_weights[ids >= 4] = 0, 0.0
+    for ids, weights in ((ids, weights), (ep_ids, ep_weights)):
+        ours = jit_static(functools.partial(gm.moe_grouped, block_rows=BLOCK_ROWS, interpret=True), 6)(
+            x, weights, ids, *banks, LIMIT)
+        theirs = jit_static(mv.reference_moe, 6)(x, weights, ids, *banks, LIMIT)
+        oracle = moe_oracle(x, weights, ids, *dense, LIMIT)
+        errors = rel_err(ours, oracle), rel_err(theirs, oracle), rel_err(ours, theirs)
+        assert max(errors) <= TOL, errors
 
 
 @pytest.mark.parametrize("qtype", [QType.Q6_K, QType.IQ3_XXS], ids=lambda t: t.name)

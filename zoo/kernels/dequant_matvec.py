@@ -4,6 +4,8 @@ A decode step has a few rows (streams of a batch, or the k+1 tokens of a specula
 routed to ``top_k`` experts. :func:`expert_plan` turns the routing into the step's *distinct*
 experts (sorted, padded to a static ``U = min(rows * top_k, E)`` by repeating the last one) and a
 ``[U, rows]`` matrix of routing weights (0 where a row does not use the expert, and for padding).
+A slot with routing weight 0 is no slot: its expert is not read (the expert-parallel layout routes
+slots owned by another device that way); a step without any slot reads nothing and returns zeros.
 The kernels then take one grid step per (output tile, distinct expert): the expert's planes are
 DMA'd once (scalar-prefetched expert ids select them in the ``index_map``; padding steps map to the
 block already resident, so they move nothing, and skip compute), decoded chunk by chunk in VMEM
@@ -45,7 +47,8 @@ F32 = jnp.float32
 
 class ExpertPlan(NamedTuple):
     """The distinct experts of a step: ``experts`` int32 [U] (sorted; slots from ``n_valid`` on
-    repeat the last), ``n_valid`` int32 [1], ``row_weights`` float32 [U, N] (0: not routed / padding)."""
+    repeat the last, or are 0 when there is none), ``n_valid`` int32 [1] (0..U), ``row_weights``
+    float32 [U, N] (0: not routed / padding)."""
 
     experts: jax.Array
     n_valid: jax.Array
@@ -53,14 +56,18 @@ class ExpertPlan(NamedTuple):
 
 
 def expert_plan(ids: jax.Array, weights: jax.Array, n_experts: int) -> ExpertPlan:
-    """De-duplicate the experts of ``ids [N, k]`` (on device, static size ``min(N * k, E)``)."""
+    """De-duplicate the experts of ``ids [N, k]`` (on device, static size ``min(N * k, E)``);
+    slots with weight 0 are left out."""
     n, k = ids.shape
     size = min(n * k, n_experts)
-    flat = jnp.sort(ids.reshape(-1).astype(jnp.int32))
-    first = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+    live = weights.reshape(-1) != 0
+    flat = jnp.sort(jnp.where(live, ids.reshape(-1).astype(jnp.int32), n_experts))    # dead slots sort last
+    first = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]]) & (flat < n_experts)
     slot = jnp.cumsum(first) - 1
-    n_valid = slot[-1] + 1
-    experts = jnp.full((size,), flat[-1]).at[jnp.where(first, slot, size)].set(flat, mode="drop")
+    n_valid = jnp.sum(first, dtype=jnp.int32)
+    n_live = jnp.sum(live, dtype=jnp.int32)
+    fill = jnp.where(n_live > 0, flat[jnp.maximum(n_live - 1, 0)], 0)      # the last live expert, else 0
+    experts = jnp.full((size,), fill).at[jnp.where(first, slot, size)].set(flat, mode="drop")
     hits = (ids[None] == experts[:, None, None]) & (jnp.arange(size) < n_valid)[:, None, None]
     row_weights = jnp.sum(jnp.where(hits, weights[None].astype(F32), 0.0), axis=-1)
     return ExpertPlan(experts, n_valid.reshape(1), row_weights)
@@ -68,7 +75,7 @@ def expert_plan(ids: jax.Array, weights: jax.Array, n_experts: int) -> ExpertPla
 
 def valid_slot(u, n_valid):
     """The slot whose blocks a grid step uses: padding slots reuse the last valid one's."""
-    return jnp.minimum(u, n_valid[0] - 1)
+    return jnp.maximum(jnp.minimum(u, n_valid[0] - 1), 0)
 
 
 def weight_block(j, u, experts, n_valid):
@@ -154,11 +161,15 @@ def moe_matvec(x, weights, ids, gate, up, down, limit, *, interpret: bool = Fals
     dtype = x.dtype
     plan = expert_plan(ids, weights, gate.shape[0])
     g, u, d = (Weight.of(b) for b in (gate, up, down))
-    xs, x_of = plane_inputs(x, [g, u])
-    h = _project(xs, [g, u], x_of, plan.experts, plan.n_valid,
-                 lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, interpret)
-    y = _down(h[..., d.order], plan.row_weights[..., None], d, plan.experts, plan.n_valid, dtype, interpret)
-    return y.astype(dtype)
+
+    def routed(x):
+        xs, x_of = plane_inputs(x, [g, u])
+        h = _project(xs, [g, u], x_of, plan.experts, plan.n_valid,
+                     lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, interpret)
+        y = _down(h[..., d.order], plan.row_weights[..., None], d, plan.experts, plan.n_valid, dtype, interpret)
+        return y.astype(dtype)
+
+    return jax.lax.cond(plan.n_valid[0] > 0, routed, jnp.zeros_like, x)   # no slot here: read nothing
 
 
 def linear_matvec(x: jax.Array, w, out_dtype, *, interpret: bool = False) -> jax.Array:

@@ -60,32 +60,36 @@ def n_blocks(n_slots: int, n_experts: int, block_rows: int) -> int:
 
 
 def ragged_plan(ids: jax.Array, weights: jax.Array, n_experts: int, block_rows: int) -> RaggedPlan:
-    """Sort the slots of ``ids [N, k]`` by expert into blocks of ``block_rows`` rows (on device)."""
+    """Sort the slots of ``ids [N, k]`` by expert into blocks of ``block_rows`` rows (on device).
+    A slot with weight 0 gets no row (its ``slot_row`` is ``NB * bm``, one past the last row)."""
     n, k = ids.shape
-    flat = ids.reshape(-1).astype(jnp.int32)
+    live = weights.reshape(-1) != 0
+    flat = jnp.where(live, ids.reshape(-1).astype(jnp.int32), n_experts)     # dead slots: group E, last
     order = jnp.argsort(flat, stable=True)
     sorted_ids = flat[order]
-    counts = jnp.bincount(flat, length=n_experts)
+    counts = jnp.bincount(flat, length=n_experts)                            # group E is dropped
     blocks = -(-counts // block_rows)
     block_end = jnp.cumsum(blocks)
     group_start = jnp.cumsum(counts) - counts
-    rank = jnp.arange(n * k) - group_start[sorted_ids]
-    row = (block_end - blocks)[sorted_ids] * block_rows + rank
+    expert = jnp.minimum(sorted_ids, n_experts - 1)
+    rank = jnp.arange(n * k) - group_start[expert]
     nb = n_blocks(n * k, n_experts, block_rows)
+    rows = nb * block_rows
+    row = jnp.where(sorted_ids < n_experts, (block_end - blocks)[expert] * block_rows + rank, rows)
     used = block_end[-1]
     which = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(nb), side="right"), n_experts - 1)
-    block_expert = jnp.where(jnp.arange(nb) < used, which, sorted_ids[-1]).astype(jnp.int32)
-    rows = nb * block_rows
+    last = which[jnp.maximum(used - 1, 0)]
+    block_expert = jnp.where(jnp.arange(nb) < used, which, jnp.where(used > 0, last, 0)).astype(jnp.int32)
     return RaggedPlan(
         block_expert, used.reshape(1).astype(jnp.int32),
-        jnp.zeros(rows, jnp.int32).at[row].set(order // k),
-        jnp.zeros(rows, F32).at[row].set(weights.reshape(-1).astype(F32)[order]),
+        jnp.zeros(rows, jnp.int32).at[row].set(order // k, mode="drop"),
+        jnp.zeros(rows, F32).at[row].set(weights.reshape(-1).astype(F32)[order], mode="drop"),
         jnp.zeros(n * k, jnp.int32).at[order].set(row).reshape(n, k))
 
 
 def used_block(b, n_used):
     """The block whose tiles a grid step uses: blocks past the used ones reuse the last used one's."""
-    return jnp.minimum(b, n_used[0] - 1)
+    return jnp.maximum(jnp.minimum(b, n_used[0] - 1), 0)
 
 
 def expert_block(j, b, block_expert, n_used):
@@ -155,13 +159,18 @@ def moe_grouped(x, weights, ids, gate, up, down, limit, *, block_rows: int = 128
     dtype = x.dtype
     plan = ragged_plan(ids, weights, gate.shape[0], block_rows)
     g, u, d = (Weight.of(b) for b in (gate, up, down))
-    xs, x_of = plane_inputs(x, [g, u])
-    h = _grouped([xi[plan.row_token] for xi in xs], [g, u], x_of, plan.block_expert, plan.n_used, block_rows,
-                 lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, None, interpret)
-    weighted = lambda acc, w: jnp.where(w != 0, w * acc.astype(dtype).astype(F32), 0.0)    # noqa: E731
-    y = _grouped([h[:, d.order]], [d], [0], plan.block_expert, plan.n_used, block_rows, weighted, F32,
-                 plan.row_weight[:, None], interpret)
-    return jnp.sum(y[plan.slot_row], axis=1).astype(dtype)
+
+    def routed(x):
+        xs, x_of = plane_inputs(x, [g, u])
+        h = _grouped([xi[plan.row_token] for xi in xs], [g, u], x_of, plan.block_expert, plan.n_used, block_rows,
+                     lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, None, interpret)
+        weighted = lambda acc, w: jnp.where(w != 0, w * acc.astype(dtype).astype(F32), 0.0)    # noqa: E731
+        y = _grouped([h[:, d.order]], [d], [0], plan.block_expert, plan.n_used, block_rows, weighted, F32,
+                     plan.row_weight[:, None], interpret)
+        y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])      # the row of slots without one
+        return jnp.sum(y[plan.slot_row], axis=1).astype(dtype)
+
+    return jax.lax.cond(plan.n_used[0] > 0, routed, jnp.zeros_like, x)   # no slot here: read nothing
 
 
 def linear_grouped(x: jax.Array, w, out_dtype, *, block_rows: int = 128, interpret: bool = False) -> jax.Array:

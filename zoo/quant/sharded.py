@@ -13,9 +13,10 @@ declare how their outputs vary over the mesh; every output here is made uniform 
                     along its last axis and sums the partial products (float32 ``psum``).
 ``sharded_moe``     routed experts: experts over ``ep``, the expert width ``I`` over ``tp`` (gate/up
                     by output rows, down by input blocks). A device sees its ``E_l`` experts at width
-                    ``I_l``; a (token, expert) slot routed to another device's expert gets weight 0
-                    (and is computed by local expert 0, so every value stays finite on every
-                    backend); the down projection of a width slice is a partial sum; one ``psum``
+                    ``I_l``; a (token, expert) slot routed to another device's expert becomes local
+                    expert 0 with weight 0, which the kernels treat as no slot (no expert is read for
+                    it; a device without slots runs no kernel); the down projection of a width
+                    slice is a partial sum; one ``psum``
                     over the splitting axes. Tokens are not dispatched: every device sees all N.
 """
 
