@@ -123,6 +123,28 @@ def test_decode_moe_kernel_matches_reference_and_gguf(qtype):
         assert max(errors) <= TOL, (ids.tolist(), errors)
 
 
+@pytest.mark.parametrize("qtype,seed", [(QType.Q8_0, 11), (QType.IQ4_XS, 12), (QType.Q6_K, 13)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_decode_and_grouped_kernels_on_random_shapes(qtype, seed):
+    """Random (seeded) widths in whole blocks, expert counts, top-k and rows: the decode kernel, the
+    grouped kernel and the jnp reference all equal the float64 oracle."""
+    rng = np.random.default_rng(seed)
+    bs = LAYOUTS[qtype].block_size
+    d, i = int(rng.integers(1, 4)) * 2 * bs, int(rng.integers(1, 4)) * bs
+    n_experts, top_k, rows = int(rng.integers(3, 10)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+    made = [bank(qtype, n_experts, d, i, seed + 1, in_splits=2), bank(qtype, n_experts, d, i, seed + 2, in_splits=2),
+            bank(qtype, n_experts, i, d, seed + 3)]
+    banks, dense = [q for q, _ in made], [w for _, w in made]
+    x = jnp.asarray(activations((rows, d), seed=seed))
+    ids = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(rows)]).astype(np.int32)
+    weights = rng.random((rows, top_k)).astype(np.float32)
+    oracle = moe_oracle(x, weights, ids, *dense, LIMIT)
+    for fn in (functools.partial(mv.moe_matvec, interpret=True), mv.reference_moe,
+               functools.partial(gm.moe_grouped, block_rows=8, interpret=True)):
+        err = rel_err(jit_static(fn, 6)(x, weights, ids, *banks, LIMIT), oracle)
+        assert err <= TOL, ((d, i, n_experts, top_k, rows), fn, err)
+
+
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.IQ2_S], ids=lambda t: t.name)
 def test_decode_linear_kernel_matches_reference_and_gguf(qtype):
     """linear_matvec (interpret) on a 2-D QArray with a head-permuted input (``in_order``)."""
