@@ -66,9 +66,10 @@ def prompts(vocab: int) -> list[list[int]]:
     return [rng.integers(1, vocab, PROMPT).tolist() for _ in range(2)]
 
 
-def generate_and_check(model, reference_logits_fn, vocab: int) -> dict:
+def generate_and_check(model, reference_logits_fn, vocab: int, spec_tokens: int) -> dict:
     """Prefill + decode through the Generator on the model's mesh: its batch cache keeps the layout
-    of every leaf, and its greedy tokens are the argmax of the single-device forward (teacher forced)."""
+    of every leaf, and its greedy tokens are the argmax of the single-device forward (teacher forced);
+    speculative decoding with ``spec_tokens`` drafts (MTP verify + rollback on the mesh) gives them too."""
     ps = prompts(vocab)
     gen = model.generator()
     tokens = [g.tokens for g in gen.generate(ps, max_new_tokens=NEW)]
@@ -91,6 +92,8 @@ def generate_and_check(model, reference_logits_fn, vocab: int) -> dict:
     logits = reference_logits_fn(ids)
     argmax = logits[:, PROMPT - 1:].argmax(-1).tolist()
     assert argmax == tokens, (argmax, tokens)
+    spec = [g.tokens for g in model.generate(ps, max_new_tokens=NEW, spec_tokens=spec_tokens)]
+    assert spec == tokens, (spec, tokens)
     return {"ids": ids, "tokens": tokens, "cache_leaves_split": split}
 
 
@@ -100,12 +103,9 @@ def glm(path: str) -> dict:
     ref = zoo.load(path, dtype="float32")
     tp = zoo.load(path, dtype="float32", mesh="tp")
     check_placement(tp)
-    gen = generate_and_check(tp, ref.logits, vocab)
+    gen = generate_and_check(tp, ref.logits, vocab, spec_tokens=2)
     ids = gen["ids"]
-    spec = tp.generate(prompts(vocab), max_new_tokens=NEW, spec_tokens=2)    # MTP verify + rollback on the mesh
-    assert [g.tokens for g in spec] == gen["tokens"], ([g.tokens for g in spec], gen["tokens"])
-    out = {"tp_err": rel_err(tp.logits(ids), ref.logits(ids)), "tp_cache_split": gen["cache_leaves_split"],
-           "tp_spec_steps": sum(g.stats["steps"] for g in spec)}
+    out = {"tp_err": rel_err(tp.logits(ids), ref.logits(ids)), "tp_cache_split": gen["cache_leaves_split"]}
     fractions = shard_fractions(tp)
     split = {p: f for p, f in fractions.items() if TP_SPLIT.match(p)}
     assert len(split) >= 15 and all(f == 1 / 8 for f in split.values()), split
@@ -129,10 +129,8 @@ def qwen(path: str) -> dict:
     ref = zoo.load(path, dtype="float32")
     ep = zoo.load(path, dtype="float32", mesh="ep")
     check_placement(ep)
-    gen = generate_and_check(ep, ref.logits, vocab)
+    gen = generate_and_check(ep, ref.logits, vocab, spec_tokens=3)
     ids = gen["ids"]
-    spec = ep.generate(prompts(vocab), max_new_tokens=NEW, spec_tokens=3)    # DeltaNet rollback on the mesh
-    assert [g.tokens for g in spec] == gen["tokens"], ([g.tokens for g in spec], gen["tokens"])
     tp = zoo.load(path, dtype="float32", mesh=make_mesh("tp"))
     split = {p: f for p, f in shard_fractions(tp).items() if TP_SPLIT.match(p)}
     assert len(split) >= 8 and all(f == 1 / 8 for f in split.values()), split
