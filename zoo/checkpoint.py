@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 MANIFEST = "manifest.json"
-CACHE_FORMAT = 2     # 2: zarr2 + OCDBT without zstd (1: StandardCheckpointer's zarr3 + zstd)
+CACHE_FORMAT = 3     # 3: + the size of every state file; 2: zarr2 + OCDBT without zstd; 1: zarr3 + zstd
 HASHED_BYTES = 16 * 2**20
 DEFAULT_SEARCH_ROOTS = ("/kaggle/input",)
 # Stored-weight types a manifest may name (a cache is data: nothing else is ever instantiated).
@@ -275,8 +275,9 @@ def save(model, root: str | Path, fp: dict, name: str) -> Path:
             digests[group] = group_digests(arrays)
         if model.tokenizer is not None:
             model.tokenizer.save(tmp)
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted((tmp / "state").rglob("*")) if f.is_file()}
         manifest = {"format": CACHE_FORMAT, "fingerprint": fp, "config": _config_record(model.config),
-                    "params": entries, "digests": digests, "created": time.time()}
+                    "params": entries, "digests": digests, "files": files, "created": time.time()}
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if final.exists():
             shutil.rmtree(final)
@@ -332,13 +333,29 @@ def find(fp: dict, roots: list[Path]) -> tuple[Path | None, list[str]]:
     return None, reasons
 
 
-def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
+def _check_files(entry: Path, group: str, files: dict[str, int]) -> None:
+    """Every file the save wrote for ``group`` is there with its size (a truncated or missing file is
+    reported by name before Orbax reads anything)."""
+    prefix = f"state/{group}/"
+    for rel, size in files.items():
+        if not rel.startswith(prefix):
+            continue
+        path = entry / rel
+        if not path.is_file():
+            raise CacheError(f"{entry}: missing file {rel} of parameter group {group!r}")
+        if path.stat().st_size != size:
+            raise CacheError(f"{entry}: {rel} has {path.stat().st_size} bytes, the save wrote {size} (truncated?)")
+
+
+def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtypeStruct],
+                files: dict[str, int]) -> dict[str, np.ndarray]:
     """One parameter group's leaves as host arrays, checked against the target's shapes and dtypes."""
     import orbax.checkpoint as ocp
 
     state_dir = (entry / "state" / group).absolute()
     if not state_dir.is_dir():
         raise CacheError(f"{entry}: missing state for parameter group {group!r}")
+    _check_files(entry, group, files)
     args = ocp.args.PyTreeRestore(
         item={k: np.empty(0, t.dtype) for k, t in target.items()},
         restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype) for k, t in target.items()})
@@ -392,7 +409,7 @@ def restore(entry: Path, mesh=None, dtype=None):
     ckptr = _checkpointer()
     restored = {}
     for group, target in _progress(targets.items(), "zoo cache restore", len(targets)):
-        host = _read_group(ckptr, entry, group, target)
+        host = _read_group(ckptr, entry, group, target, manifest["files"])
         if group_digests(host) != manifest["digests"].get(group):
             raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
                              f"(corrupted cache)")
