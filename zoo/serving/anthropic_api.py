@@ -17,6 +17,7 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.concurrency import run_in_threadpool
 
 from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, collect_finished
 from zoo.serving.errors import ApiError, parse_body
@@ -161,7 +162,7 @@ def _prompt(service, body: CountRequest):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     body = parse_body(CountRequest, await request.body())
-    return {"input_tokens": len(_prompt(request.app.state.service, body).ids)}
+    return {"input_tokens": len((await run_in_threadpool(_prompt, request.app.state.service, body)).ids)}
 
 
 def _stop_reason(finish: Finish) -> str:
@@ -176,7 +177,7 @@ def _stop_reason(finish: Finish) -> str:
 async def messages(request: Request):
     service = request.app.state.service
     body = parse_body(MessagesRequest, await request.body())
-    prompt = _prompt(service, body)
+    prompt = await run_in_threadpool(_prompt, service, body)      # rendering + tokenizing: off the event loop
     budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
     job = await service.start(prompt.ids, max_tokens=body.max_tokens, temperature=body.temperature,
                               top_p=body.top_p, top_k=body.top_k, seed=None, thinking_budget=budget,

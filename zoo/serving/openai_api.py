@@ -17,6 +17,7 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.concurrency import run_in_threadpool
 
 from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, OutputParser, collect_finished
 from zoo.serving.errors import ApiError, parse_body
@@ -207,8 +208,10 @@ async def chat_completions(request: Request):
     if body.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    prompt = service.chat_prompt(template_messages(body.messages), tools=tools, tool_choice=choice, tool_name=name,
-                                 thinking=thinking, template_kwargs=kwargs)
+    # rendering and tokenizing a long prompt takes a while: in a worker thread, not on the event loop
+    prompt = await run_in_threadpool(service.chat_prompt, template_messages(body.messages), tools=tools,
+                                     tool_choice=choice, tool_name=name, thinking=thinking,
+                                     template_kwargs=kwargs)
     job = await service.start(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
                               temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               seed=body.seed, thinking_budget=body.thinking_budget,
@@ -289,7 +292,7 @@ async def completions(request: Request):
         if len(prompt) != 1:
             raise ApiError(400, "prompt: one prompt per request (n=1)", param="prompt")
         prompt = prompt[0]
-    ids = service.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = await run_in_threadpool(service.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ApiError(400, "prompt: empty", param="prompt")
     job = await service.start(ids, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
