@@ -43,7 +43,8 @@ def www(tmp_path_factory, audit_files):  # noqa: F811
     for f in audit_files:
         shutil.copy(f, root / Path(f).name)
     app = Starlette(routes=[Mount("/files", StaticFiles(directory=root)),
-                            Route("/norange/{name}", lambda r: Response((root / GLM).read_bytes()))])
+                            Route("/norange/{name}", lambda r: Response((root / GLM).read_bytes())),
+                            Route("/gated/{name}", lambda r: Response("gated", status_code=401))])
     with ServerThread(app) as server:
         yield server.url, root
 
@@ -126,6 +127,8 @@ def test_errors_are_clear(www):
         GGUFSource(f"{url}/files/missing.gguf")
     with pytest.raises(SourceError, match="range request"):
         GGUFSource(f"{url}/norange/{GLM}")
+    with pytest.raises(SourceError, match="access denied .*HF_TOKEN"):
+        GGUFSource(f"{url}/gated/{GLM}")
     with pytest.raises(SourceError, match=r"cannot read bytes"):
         GGUFSource("http://127.0.0.1:9/nothing-listens-here.gguf")
     with pytest.raises(SourceError, match="OWNER/REPO"):

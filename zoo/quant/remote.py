@@ -91,6 +91,9 @@ class RemoteFile:
             raise SourceError(f"{self.ref}: cannot read bytes {start}-{stop - 1} ({type(e).__name__}: {e})") from None
         if r.status_code == 404:
             raise SourceError(f"{self.ref}: no such remote file (HTTP 404)")
+        if r.status_code in (401, 403):
+            raise SourceError(f"{self.ref}: access denied (HTTP {r.status_code}); for a gated or private Hugging Face "
+                              f"repo, log in (`hf auth login`) or set HF_TOKEN")
         if r.status_code != 206:
             raise SourceError(f"{self.ref}: the server answered HTTP {r.status_code} to a range request "
                               f"(range reads need 206 Partial Content)")
