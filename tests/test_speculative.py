@@ -144,9 +144,9 @@ def test_greedy_acceptance_is_argmax_equality():
 
 @pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("qwen38-tiny/bigram", 2), ("glm53-tiny/bigram", 3)])
 def test_thinking_budget_forces_the_close_and_the_model_continues_from_it(models, plain_runs, which, k):
-    """With a thinking budget B the row emits its own tokens up to B (B..B+k with speculation), then
-    the forced "\\n</think>\\n\\n" ids (sampling replaced, drafts rejected), then exactly what the
-    model generates when that text is in its context (teacher-forced reference)."""
+    """With a thinking budget B the row emits exactly its own first B tokens (a speculative step is
+    capped at the budget), then the forced "\\n</think>\\n\\n" ids (sampling replaced, drafts
+    rejected), then exactly what the model generates when that text is in its context."""
     model, budget, n_new = models[which], 5, 14
     gen = model.generator(spec_tokens=k)
     insert = list(gen.thinking_budget(budget).insert)
@@ -156,8 +156,8 @@ def test_thinking_budget_forces_the_close_and_the_model_continues_from_it(models
     while not req.done.is_set():
         gen.step()
     out = req.tokens
-    pos = next(i for i in range(budget, budget + k + 1) if out[i:i + len(insert)] == insert)
-    assert out[:pos] == plain[:pos]
+    pos = budget
+    assert out[:pos] == plain[:pos] and out[pos:pos + len(insert)] == insert
     assert req.stats["forced"] == len(insert)
     head = pos + len(insert)
     reference = model.generate([prompt + out[:head]], max_new_tokens=n_new - head)[0].tokens
@@ -187,11 +187,13 @@ def test_sampled_spec_decoding_has_the_models_distribution_with_a_stop_token(mod
 
     def empirical(spec_tokens):
         gen = model.generator(spec_tokens=spec_tokens)
-        reqs = [gen.submit(gen.make_request(prompt, max_new_tokens=2, temperature=1.0, top_k=3, seed=s, stop=[stop]))
+        # 3 new tokens, so that the first step after the prompt may take 2 tokens (a draft and the bonus)
+        reqs = [gen.submit(gen.make_request(prompt, max_new_tokens=3, temperature=1.0, top_k=3, seed=s, stop=[stop]))
                 for s in range(n)]
         while not all(r.done.is_set() for r in reqs):
             gen.step()
-        counts = collections.Counter(tuple(r.tokens) + ((stop,) if r.finish_reason == "stop" else ()) for r in reqs)
+        stopped = lambda r: r.finish_reason == "stop" and len(r.tokens) < 2      # noqa: E731
+        counts = collections.Counter(tuple(r.tokens) + (stop,) if stopped(r) else tuple(r.tokens[:2]) for r in reqs)
         return counts, sum(r.stats.get("accepted", 0) for r in reqs)
 
     counts, accepted = empirical(2)
@@ -199,3 +201,15 @@ def test_sampled_spec_decoding_has_the_models_distribution_with_a_stop_token(mod
     tv_distance = 0.5 * sum(abs(counts.get(o, 0) / n - p) for o, p in exact.items())
     print(f"TV {tv_distance:.3f}, accepted drafts {accepted}")
     assert tv_distance < 0.05 and accepted > n // 2
+
+
+def test_capped_steps_keep_the_sample_path(models):
+    """A speculative step is capped near a request's length limit (and its thinking budget): the last
+    kept token is an accepted draft, so a shorter request is a prefix of a longer one, same seed."""
+    model = models["glm53-tiny/bigram"]
+    kw = dict(temperature=1.0, top_k=3, spec_tokens=3)
+    prompts = [PROMPTS[1]] * 6
+    long = [g.tokens for g in model.generate(prompts, max_new_tokens=12, seed=9, **kw)]
+    for n in (2, 5):
+        short = model.generate(prompts, max_new_tokens=n, seed=9, **kw)
+        assert [g.tokens for g in short] == [t[:n] for t in long]

@@ -168,14 +168,15 @@ class Generator:
             _, _, cache = model.mtp_forward(hidden, next_ids, next_mask, cache)
         return logits[:, -1], hidden[:, -1], shard_cache(cache)
 
-    def _step_impl(self, state, batch, active, force):
-        """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample)."""
+    def _step_impl(self, state, batch, active, force, cap):
+        """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
+        ``cap`` [B] int32: the most tokens a speculative row may emit this step."""
         model = nnx.merge(self._graphdef, state)
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
         keys = _row_keys(params)
         if self.k:
             cache, carry, tokens, n = speculative.spec_step(model, cache, carry, active, keys, params, self.k,
-                                                            force)
+                                                            force, cap)
         else:
             tok = carry["tok"]
             logits, _, cache = model(tok[:, None], active[:, None], cache)
@@ -319,8 +320,9 @@ class Generator:
         if not active.any():
             return bool(self._waiting)
         force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
+        cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
         self._batch, tokens, counts = self._step_fn(self._state, self._batch, jnp.asarray(active),
-                                                    jnp.asarray(force))
+                                                    jnp.asarray(force), jnp.asarray(cap))
         tokens, counts = np.asarray(tokens), np.asarray(counts)
         for r, req in enumerate(self._rows):
             if req is None:
@@ -337,6 +339,12 @@ class Generator:
                     req.stats["accepted_by_position"][i] += 1
             self._deliver(req, tokens[r, :n].tolist())
         return True
+
+    def _room(self, req: Request) -> int:
+        """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""
+        room = min(self.k + 1, req.max_new_tokens - len(req.tokens))
+        thinking = None if req.thinking is None else req.thinking.room()
+        return max(1, room if thinking is None else min(room, thinking))
 
     def _deliver(self, req: Request, new: list[int]) -> None:
         """Append sampled tokens, applying stop ids, stop strings and the length limit."""

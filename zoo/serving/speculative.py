@@ -58,12 +58,14 @@ def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Array, params: dict, k: int,
-              force: jax.Array | None = None):
+              force: jax.Array | None = None, cap: jax.Array | None = None):
     """One speculative decode step for every row (see module docstring).
 
     pending: ``{"h": [B, k+1, D], "tok": [B, k+1] int32, "n": [B] int32}`` rows for the MTP;
     active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B];
-    force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token.
+    force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token;
+    cap [B] int32 (optional): a row emits at most ``cap`` (>= 1) tokens this step (accepted drafts past
+    the cap are dropped and rolled back; the last kept one is an accepted draft, so still exact).
     Returns (cache, pending, tokens [B, k+1] int32, n_tokens [B] int32 (0 for inactive rows)).
     """
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
@@ -93,6 +95,11 @@ def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Ar
                                keep_steps=True)
     p = probs(p_logits, temp, top_k, top_p)
     n_acc, extra = accept(sub[:, k], p, jnp.stack(qs, axis=1), drafts, greedy)
+    if cap is not None:
+        limit = jnp.maximum(cap, 1) - 1
+        past = n_acc > limit                                  # then drafts[limit] was accepted: emit it last
+        extra = jnp.where(past, jnp.take_along_axis(drafts, jnp.minimum(limit, k - 1)[:, None], axis=1)[:, 0], extra)
+        n_acc = jnp.minimum(n_acc, limit)
     if force is not None:
         n_acc = jnp.where(force >= 0, 0, n_acc)
         extra = jnp.where(force >= 0, force, extra)

@@ -11,9 +11,9 @@ engine must force the closing text into that row::
 
 Reasoning counts from the start of the output when the prompt opened it (``opened``), else from
 the first ``open`` sequence in the output; a ``close`` sequence in the output (the model's own, or
-the inserted one) ends it. After ``budget`` reasoning tokens ``insert`` is returned once. With
-speculative decoding a step delivers up to k+1 tokens, so the reasoning can exceed the budget by
-at most k tokens before the insertion starts.
+the inserted one) ends it. After ``budget`` reasoning tokens ``insert`` is returned once. A
+speculative step delivers up to k+1 tokens; the engine caps a row's step at ``room()`` so the
+budget is exact there too.
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ class ThinkingBudget:
     def used(self) -> int:
         """Reasoning tokens so far."""
         return 0 if self.start is None else len(self.output) - self.start
+
+    def room(self) -> int | None:
+        """Reasoning tokens left before the insertion (None: not counting: not started, or over)."""
+        if self.start is None or self.closed or self.inserted:
+            return None
+        return self.budget - self.used
 
     def observe(self, tokens: list[int]) -> list[int]:
         """Take the request's next output tokens; returns the ids to force now ([] or ``insert``)."""
