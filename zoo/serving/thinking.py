@@ -65,10 +65,10 @@ class ThinkingBudget:
 
     def observe(self, tokens: list[int]) -> list[int]:
         """Take the request's next output tokens; returns the ids to force now ([] or ``insert``)."""
+        if self.closed or self.inserted:          # nothing left to watch: stop keeping the output
+            return []
         before = len(self.output)
         self.output.extend(tokens)
-        if self.closed or self.inserted:
-            return []
         if self.start is None:
             end = _find(self.output, self.open, before - len(self.open) + 1)
             if end < 0:
