@@ -21,7 +21,7 @@ import numpy as np
 
 import zoo
 from tests.gguf_files import metadata_of, write_gguf
-from zoo.quant.gguf import GGUFSource
+from zoo.sources.gguf import GGUFSource
 
 FIXTURE = Path(__file__).parents[1] / "tests" / "data" / "glm53-q256-udmix.gguf"
 

@@ -1,5 +1,5 @@
 """Throughput of zoo.quant's jitted dequantizers, and of the load-time repack of GGUF blocks into
-the kernel planes (``zoo.quant.planes.to_planes``, numpy), vs gguf.quants.dequantize (numpy).
+the kernel planes (``zoo.formats.planes.to_planes``, numpy), vs gguf.quants.dequantize (numpy).
 
 For each type, ~16 MB of random-but-valid blocks (random bytes, finite f16 scales) laid out as
 rows of 4096 weights. gguf: best of 2 calls. Ours: ``jax.jit(dequantize_jnp)`` on a device array,
@@ -19,8 +19,8 @@ import numpy as np
 from gguf import quants as gq
 
 from zoo.quant import dequantize_jnp
-from zoo.quant.ggml import F16, LAYOUTS, QType
-from zoo.quant.planes import from_planes, to_planes
+from zoo.formats.ggml import F16, BLOCK_LAYOUTS, QType
+from zoo.formats.planes import from_planes, to_planes
 
 TYPES = [QType.IQ2_S, QType.IQ3_S, QType.IQ4_XS, QType.Q8_0, QType.Q6_K]
 TARGET_BYTES = 16 << 20
@@ -29,7 +29,7 @@ ROW_WEIGHTS = 4096
 
 def valid_rows(qtype: QType, rng: np.random.Generator) -> np.ndarray:
     """uint8[n_rows, row_bytes]: random blocks whose f16 fields hold small finite scales."""
-    layout = LAYOUTS[qtype]
+    layout = BLOCK_LAYOUTS[qtype]
     blocks_per_row = ROW_WEIGHTS // layout.block_size
     n_rows = TARGET_BYTES // (blocks_per_row * layout.type_size)
     blocks = rng.integers(0, 256, size=(n_rows * blocks_per_row, layout.type_size), dtype=np.uint8)
@@ -64,7 +64,7 @@ def bench(qtype: QType, rng: np.random.Generator) -> str:
     exact = np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
 
     repack_s = best_seconds(lambda: to_planes(rows, qtype), repeats=3)
-    n_blocks = rows.shape[1] // LAYOUTS[qtype].type_size
+    n_blocks = rows.shape[1] // BLOCK_LAYOUTS[qtype].type_size
     inverse = np.array_equal(np.asarray(from_planes(to_planes(rows, qtype), qtype, n_blocks)), rows)
     return (
         f"{qtype.name:8s} {megabytes:6.1f} MB  gguf {megabytes / gguf_s:8.1f} MB/s  "

@@ -19,7 +19,7 @@ import jax
 import zoo
 from tests.helpers import bigram_variant
 from zoo.api import Model
-from zoo.serving.engine import Generator
+from zoo.serving.generator import Generator
 
 
 def run(model: Model, k: int, prompts, n_tokens: int) -> dict:

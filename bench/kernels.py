@@ -28,9 +28,9 @@ import numpy as np
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dispatch
 from zoo.kernels.formats import FORMATS
-from zoo.quant import planes as P
-from zoo.quant.ggml import F16, LAYOUTS, QType
-from zoo.quant.moe import moe
+from zoo.formats import planes as P
+from zoo.formats.ggml import F16, BLOCK_LAYOUTS, QType
+from zoo.ops.moe import moe
 from zoo.quant.qarray import QArray
 
 GLM = dict(hidden=4096, width=2048, experts=288, top_k=8)
@@ -43,8 +43,8 @@ SMALL = dict(hidden=1024, width=512, experts=64, top_k=8)
 def expert_bytes(types, hidden: int, width: int) -> int:
     """Plane bytes of one expert (gate, up: width rows of hidden; down: hidden rows of width)."""
     gate, up, down = types
-    return sum(P.plane_nbytes(t, width, hidden // LAYOUTS[t].block_size) for t in (gate, up)) + \
-        P.plane_nbytes(down, hidden, width // LAYOUTS[down].block_size)
+    return sum(P.plane_nbytes(t, width, hidden // BLOCK_LAYOUTS[t].block_size) for t in (gate, up)) + \
+        P.plane_nbytes(down, hidden, width // BLOCK_LAYOUTS[down].block_size)
 
 
 def sample_routing(rng, rows: int, top_k: int, n_experts: int, skew: float) -> np.ndarray:
@@ -73,7 +73,7 @@ def part1(steps: int = 200) -> None:
 
 
 def random_bank(qtype: QType, n_experts: int, d_in: int, d_out: int, rng) -> QArray:
-    layout = LAYOUTS[qtype]
+    layout = BLOCK_LAYOUTS[qtype]
     blocks = rng.integers(0, 256, size=(n_experts, d_out, d_in // layout.block_size, layout.type_size), dtype=np.uint8)
     for f in layout.fields:
         if f.dtype == F16:

@@ -20,7 +20,7 @@ import jax
 import openai
 
 import zoo
-from zoo.serving.engine import Generator
+from zoo.serving.generator import Generator
 from zoo.serving.server import ServerThread, create_app
 
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 import zoo
 from tests.helpers import rel_err
-from zoo.mesh import state_shardings
+from zoo.sharding.mesh import state_shardings
 
 
 def leaves(model) -> list[np.ndarray]:

@@ -9,8 +9,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gq
 
-from zoo.quant.ggml import QType
-from zoo.quant.gguf import GGUFSource
+from zoo.formats.ggml import QType
+from zoo.sources.gguf import GGUFSource
 
 
 def metadata_of(path: Path) -> list[tuple[str, object, GGUFValueType, GGUFValueType | None]]:

@@ -16,7 +16,7 @@ from gguf import quants as gq
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from zoo.kernels.formats import FORMATS
-from zoo.quant.ggml import F16, LAYOUTS, QType
+from zoo.formats.ggml import F16, BLOCK_LAYOUTS, QType
 from zoo.quant.qarray import QArray
 
 DATA = Path(__file__).parent / "data"
@@ -29,7 +29,7 @@ def blocks(qtype: QType, lead: tuple[int, ...], rows: int, n_blocks: int, seed: 
     times powers of two near the scale that gives weights of RMS ``rms``. With activations that are
     small multiples of 1/4 (:func:`activations`) every product and partial sum of a first projection
     is then exact in float32, so only the float32 rounding of later stages is measured."""
-    layout = LAYOUTS[qtype]
+    layout = BLOCK_LAYOUTS[qtype]
     shape = (*lead, rows, n_blocks)
 
     def draw(exponent):
@@ -50,7 +50,7 @@ def raw_blocks(qtype: QType, lead: tuple[int, ...], rows: int, n_blocks: int, se
     """uint8 blocks with random bytes and random f16 fields over many binades, subnormals included
     (for bit-exactness checks)."""
     rng = np.random.default_rng(seed)
-    layout = LAYOUTS[qtype]
+    layout = BLOCK_LAYOUTS[qtype]
     data = rng.integers(0, 256, size=(*lead, rows, n_blocks, layout.type_size), dtype=np.uint8)
     for f in layout.fields:
         if f.dtype == F16:
@@ -68,7 +68,7 @@ def bank(qtype: QType, n_experts: int, d_in: int, d_out: int, seed: int,
          in_splits: int = 1) -> tuple[QArray, np.ndarray]:
     """A QArray bank ``[E, d_in, d_out]`` (or a matrix when ``n_experts`` is 0) and its float64 weights."""
     lead = (n_experts,) if n_experts else ()
-    raw = blocks(qtype, lead, d_out, d_in // LAYOUTS[qtype].block_size, seed)
+    raw = blocks(qtype, lead, d_out, d_in // BLOCK_LAYOUTS[qtype].block_size, seed)
     dense = np.swapaxes(gq.dequantize(raw, qtype), -1, -2).astype(np.float64)
     return QArray.from_blocks(raw, qtype, in_splits=in_splits), dense
 

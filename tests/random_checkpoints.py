@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from zoo.config import config_from_hf
-from zoo.models import arch
+from zoo.models.config import config_from_hf
+from zoo.models.architectures import architecture as arch
 
 # parameter path -> (on-disk name, layout): "T" stored [out, in], "conv" stored [C, 1, K],
 # "experts" one [out, in] tensor per expert, None as is. First match wins.
@@ -88,7 +88,7 @@ QWEN_MTP = {"mtp.fc.kernel": ("mtp.fc.weight", "T"), "mtp.embed_norm.weight": ("
 
 def _hf_tensors(path: str, value: np.ndarray, cfg) -> dict[str, np.ndarray]:
     """The on-disk tensors of one parameter (``NAMES``, with each architecture's MTP nesting)."""
-    if cfg.arch == "glm5next":
+    if cfg.arch == "glm53":
         for prefix, inside in GLM_MTP:
             if path.startswith(prefix):
                 return _on_disk(f"layers.{cfg.num_hidden_layers}.{inside}{path[len(prefix):]}", value)
@@ -108,7 +108,7 @@ def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> Path:
     cfg = config_from_hf(config)
     abstract = nnx.eval_shape(lambda: arch(cfg.arch).model_class()(cfg))
     rng = np.random.default_rng(seed)
-    zero_centered = cfg.arch == "qwen35"
+    zero_centered = cfg.arch == "qwen38"
     tensors: dict[str, np.ndarray] = {}
     for p, var in nnx.to_flat_state(nnx.state(abstract)):
         name = ".".join(map(str, p))

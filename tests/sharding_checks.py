@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec
 
 import zoo
 from tests.helpers import CountingSource, rel_err
-from zoo.mesh import make_mesh, state_shardings
-from zoo.models.cache_axes import cache_shardings
+from zoo.sharding.mesh import make_mesh, state_shardings
+from zoo.sharding.cache_axes import cache_shardings
 
 TOL = 1e-5
 PROMPT, NEW = 12, 5
@@ -185,10 +185,11 @@ def _rss() -> tuple[int, int]:
 def memory(path: str, budget: int) -> dict:
     """Loading a float32 model onto 8 devices: host memory beyond the placed weights stays under
     ``budget`` (well under the model), and a column-parallel weight is read 1/8 at a time."""
-    from zoo.api import dense_store, fill_from_source
-    from zoo.config import load_config
-    from zoo.models import arch
-    from zoo.quant.safetensors import SafetensorsSource
+    from zoo.loader.fill import fill_from_source
+    from zoo.quant.storage import dense_store
+    from zoo.models.config import load_config
+    from zoo.models.architectures import architecture as arch
+    from zoo.sources.safetensors import SafetensorsSource
 
     mesh = make_mesh("tp")
     zoo.load("qwen38-tiny", dtype="float32", mesh=mesh)                     # imports and runtime up first

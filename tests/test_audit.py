@@ -12,10 +12,10 @@ from gguf import quants as gq
 
 from tests.gguf_files import write_gguf
 from zoo.cli import main
-from zoo.quant.audit import audit
-from zoo.quant.ggml import QType
-from zoo.quant.gguf import GGUFSource
-from zoo.quant.safetensors import SourceError
+from zoo.tools.audit import audit
+from zoo.formats.ggml import QType
+from zoo.sources.gguf import GGUFSource
+from zoo.sources.base import SourceError
 
 BANK, MATRIX, NORM = "blk.0.ffn_gate_exps.weight", "blk.0.attn_q.weight", "blk.0.attn_norm.weight"
 EXPERTS, ROWS = [1, 3], (16, 48)

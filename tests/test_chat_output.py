@@ -6,7 +6,7 @@ from __future__ import annotations
 from zoo.registry import embedded_path
 from zoo.serving.chat import KEEP, OutputParser, TextDecoder, coalesce
 from zoo.serving.reasoning import Reasoning, Text
-from zoo.serving.tokenizer import Tokenizer
+from zoo.text.tokenizer import Tokenizer
 
 TOK = Tokenizer.from_dir(embedded_path("qwen38-tiny"))
 HIDDEN = frozenset(i for i, t in TOK.special_tokens().items() if t not in KEEP)

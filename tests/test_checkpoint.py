@@ -18,8 +18,7 @@ import pytest
 from flax import nnx
 
 import zoo
-from zoo import checkpoint
-
+from zoo.weight_cache import store as checkpoint
 DATA = Path(__file__).parent / "data"
 IDS = np.arange(40)[None] % 500
 

@@ -7,7 +7,8 @@ import json
 import numpy as np
 from flax import nnx
 
-from zoo.config import Qwen38Config, config_from_hf, load_config
+from zoo.models.config import config_from_hf, load_config
+from zoo.models.qwen38.config import Qwen38Config
 from zoo.registry import preset_path
 
 
@@ -32,7 +33,7 @@ def test_layer_types_from_interval_and_rope_fields():
 
 def test_real_shape_parameter_count():
     """The 27B preset, built abstractly (no memory): text model + MTP layer, vision excluded."""
-    from zoo.models.qwen38 import Qwen38
+    from zoo.models.qwen38.model import Qwen38
 
     cfg = load_config(preset_path("qwen38-27b.json"))
     model = nnx.eval_shape(lambda: Qwen38(cfg))

@@ -18,8 +18,8 @@ from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES
 
 from zoo.quant import dequantize, dequantize_jnp
-from zoo.quant.dequant import DEQUANTIZERS
-from zoo.quant.ggml import F16, F32, LAYOUTS, QType, qtype_of, row_bytes, tensor_nbytes
+from zoo.formats.dequant import DEQUANTIZERS
+from zoo.formats.ggml import F16, F32, BLOCK_LAYOUTS, QType, qtype_of, row_bytes, tensor_nbytes
 
 DATA = Path(__file__).parent / "data"
 N_WEIGHTS = 384 * 256  # per type and case: 384 super-blocks, 3072 legacy blocks
@@ -34,7 +34,7 @@ QUANTIZABLE = [
 FLOAT_EXPONENT_MASKS = {F16: 0x7C00, F32: 0x7F800000}
 BF16_EXPONENT_MASK = 0x7F80
 # IQ1_M's f16 scale has its exponent's top bit in bit 6 of the block's last byte.
-IQ1_M_SCALE_EXPONENT_TOP = (LAYOUTS[QType.IQ1_M].type_size - 1, 0x40)
+IQ1_M_SCALE_EXPONENT_TOP = (BLOCK_LAYOUTS[QType.IQ1_M].type_size - 1, 0x40)
 
 
 def assert_bit_exact(ours: np.ndarray, ref: np.ndarray, context: object = "") -> None:
@@ -54,7 +54,7 @@ def gguf_dequantize(data: np.ndarray, qtype: QType) -> np.ndarray:
 
 def random_blocks(qtype: QType, rng: np.random.Generator) -> np.ndarray:
     """uint8[n_blocks, type_size] of random bytes, N_WEIGHTS weights."""
-    layout = LAYOUTS[qtype]
+    layout = BLOCK_LAYOUTS[qtype]
     return rng.integers(0, 256, size=(N_WEIGHTS // layout.block_size, layout.type_size), dtype=np.uint8)
 
 
@@ -67,7 +67,7 @@ def with_finite_scales(blocks: np.ndarray, qtype: QType) -> np.ndarray:
     """A copy of ``blocks`` whose float fields (scales, or the values of F16/F32/BF16) are all
     finite (random bit patterns otherwise, subnormals included)."""
     blocks = blocks.copy()
-    layout = LAYOUTS[qtype]
+    layout = BLOCK_LAYOUTS[qtype]
     if qtype == QType.IQ1_M:
         byte, bit = IQ1_M_SCALE_EXPONENT_TOP
         blocks[:, byte] &= ~np.uint8(bit)
@@ -155,7 +155,7 @@ def test_llama_cpp_quantized_tensors_match_gguf(name: str) -> None:
 
 @pytest.mark.parametrize("qtype", [QType.IQ2_S, QType.Q6_K, QType.MXFP4, QType.F16], ids=lambda t: t.name)
 def test_jit_blocks_in_blocks_out(qtype: QType) -> None:
-    layout = LAYOUTS[qtype]
+    layout = BLOCK_LAYOUTS[qtype]
     blocks = with_finite_scales(random_blocks(qtype, np.random.default_rng(3)), qtype)
     stacked = blocks.reshape(2, -1, layout.type_size)
     # no float arithmetic after dequantizing: XLA:CPU would flush MXFP4's subnormals to zero
@@ -198,7 +198,7 @@ def test_unsupported_known_type_raises_not_implemented() -> None:
 
 def test_layouts_agree_with_gguf_sizes() -> None:
     for qtype, (block_size, type_size) in GGML_QUANT_SIZES.items():
-        layout = LAYOUTS[qtype]
+        layout = BLOCK_LAYOUTS[qtype]
         assert (layout.block_size, layout.type_size) == (block_size, type_size), qtype.name
         assert sum(f.nbytes for f in layout.fields) == type_size, qtype.name
         assert tensor_nbytes(qtype, (3, 4 * block_size)) == 3 * 4 * type_size

@@ -19,10 +19,10 @@ import zoo
 from tests import qwen_reference as ref
 from tests.gguf_files import dequantized, metadata_of, write_dense_copy, write_gguf
 from tests.helpers import rel_err
-from zoo.quant.ggml import QType
-from zoo.quant.gguf import GGUFSource
+from zoo.formats.ggml import QType
+from zoo.sources.gguf import GGUFSource
 from zoo.quant.qarray import QArray
-from zoo.quant.safetensors import SourceError
+from zoo.sources.base import SourceError
 
 DATA = Path(__file__).parent / "data"
 Q256 = DATA / "qwen38-q256-udmix.gguf"
@@ -201,7 +201,9 @@ def test_recipe_errors():
     with pytest.raises(ValueError, match="unknown quantization recipe 'Q9'; known: .*Q8_0.*UD-IQ3_XXS.*bf16"):
         zoo.load(TINY_MTP, quant="Q9")
     with pytest.raises(ValueError, match="UD-IQ3_XXS.*from a GGUF and the rest from the original checkpoint"):
-        zoo.load(TINY_MTP, quant="UD-IQ3_XXS")
+        zoo.load(DATA / "glm53-tiny-mtp-f32.gguf", quant="UD-IQ3_XXS")     # GLM's recipe mixes two sources
+    with pytest.raises(ValueError, match="UD-IQ3_XXS.*loads the GGUF matching .* quant=None"):
+        zoo.load(TINY_MTP, quant="UD-IQ3_XXS")                            # Qwen's is a whole GGUF
     with pytest.raises(ValueError, match="stores weights as bfloat16"):
         zoo.load(TINY_MTP, quant="bf16", dtype="float32")
 
@@ -243,7 +245,7 @@ def test_unsupported_architecture_and_missing_metadata(tmp_path):
 
 
 def test_tokenizer_from_the_embedded_vocabulary():
-    from zoo.quant.gguf_model import tokenizer_from_gguf
+    from zoo.text.gguf_vocab import tokenizer_from_gguf
 
     tok = tokenizer_from_gguf(GGUFSource(TINY_MTP))
     assert tok is not None and tok.vocab_size == 512 and tok.eos_token == "<|endoftext|>"
@@ -258,7 +260,7 @@ def test_tokenizer_matches_the_hf_tokenizer_it_was_made_from(tmp_path):
     from gguf import GGUFValueType as T
     from tokenizers import Tokenizer as HFTokenizer
 
-    from zoo.quant.gguf_model import tokenizer_from_gguf
+    from zoo.text.gguf_vocab import tokenizer_from_gguf
 
     asset = Path(zoo.__file__).parent / "assets" / "qwen38-tiny" / "tokenizer.json"
     hf = HFTokenizer.from_file(str(asset))

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.gguf_files import write_gguf
-from zoo.quant.ggml import QType
-from zoo.quant.gguf import GGUFSource
-from zoo.quant.safetensors import SourceError
+from zoo.formats.ggml import QType
+from zoo.sources.gguf import GGUFSource
+from zoo.sources.base import SourceError
 
 DATA = Path(__file__).parent / "data"
 QWEN = DATA / "qwen38-q256-udmix.gguf"

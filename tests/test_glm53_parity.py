@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 import zoo
 from tests import glm_reference as ref
-from zoo.quant.safetensors import SourceError
+from zoo.sources.base import SourceError
 
 SEQ = 80          # > 64: crosses the delta-rule chunks of both implementations and many indexer pools
 PREFIX = 38       # prefill length: not a multiple of either pool size, so the cache carries a tail pool

@@ -15,12 +15,12 @@ from tests import glm_reference as ref
 from tests.gguf_files import dequantized, metadata_of, write_dense_copy, write_gguf
 from tests.helpers import rel_err
 from tests.test_plan import GLM_FIXTURES
-from zoo.config import config_from_hf
-from zoo.quant.ggml import QType
-from zoo.quant.gguf import GGUFSource
-from zoo.quant.gguf_model import config_from_gguf
+from zoo.models.config import config_from_hf
+from zoo.formats.ggml import QType
+from zoo.sources.gguf import GGUFSource
+from zoo.loader.gguf_model import config_from_gguf
 from zoo.quant.qarray import QArray
-from zoo.quant.safetensors import SourceError
+from zoo.sources.base import SourceError
 
 DATA = Path(__file__).parent / "data"
 Q256 = DATA / "glm53-q256-udmix.gguf"

@@ -20,8 +20,8 @@ from zoo.kernels import grouped_matmul as gm
 from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels.formats import FORMATS
 from zoo.kernels.tiles import decode_parts, plane_order, tiling_for
-from zoo.quant import planes as P
-from zoo.quant.ggml import LAYOUTS, QType
+from zoo.formats import planes as P
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 from zoo.quant.qarray import QArray
 
 TOL = 1e-6
@@ -32,7 +32,7 @@ ROWS = {t: 1 + i for i, t in enumerate(KERNEL_TYPES)}          # 1..8 rows per s
 def moe_shapes(qtype: QType) -> tuple[int, int]:
     """(D, I): D is two parts of whole blocks (the gate/up input packed as ``in_splits=2``, so the
     kernels loop over chunks), I whole blocks; Q8_0's I is not a multiple of the 128 lanes."""
-    bs = LAYOUTS[qtype].block_size
+    bs = BLOCK_LAYOUTS[qtype].block_size
     return (512, 256) if bs == 256 else (8 * bs, 2 * bs)
 
 
@@ -47,7 +47,7 @@ def moe_banks(qtype: QType, seed: int = 0):
 def test_tile_decoders_are_bit_exact_with_gguf(qtype):
     """Chunked tilings (even chunks; in_splits parts of an odd block count) decode every weight
     bit-exactly, f16 subnormals included."""
-    bs = LAYOUTS[qtype].block_size
+    bs = BLOCK_LAYOUTS[qtype].block_size
     fmt = FORMATS[qtype]
     cases = [(4, 1, 2 * bs), (6, 2, None)]               # two chunks of 2 blocks; two parts of 3 (odd)
     raws = [raw_blocks(qtype, (2,), 5, n, seed=n) for n, _, _ in cases]
@@ -129,7 +129,7 @@ def test_decode_and_grouped_kernels_on_random_shapes(qtype, seed):
     """Random (seeded) widths in whole blocks, expert counts, top-k and rows: the decode kernel, the
     grouped kernel and the jnp reference all equal the float64 oracle."""
     rng = np.random.default_rng(seed)
-    bs = LAYOUTS[qtype].block_size
+    bs = BLOCK_LAYOUTS[qtype].block_size
     d, i = int(rng.integers(1, 4)) * 2 * bs, int(rng.integers(1, 4)) * bs
     n_experts, top_k, rows = int(rng.integers(3, 10)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
     made = [bank(qtype, n_experts, d, i, seed + 1, in_splits=2), bank(qtype, n_experts, d, i, seed + 2, in_splits=2),
@@ -148,7 +148,7 @@ def test_decode_and_grouped_kernels_on_random_shapes(qtype, seed):
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.IQ2_S], ids=lambda t: t.name)
 def test_decode_linear_kernel_matches_reference_and_gguf(qtype):
     """linear_matvec (interpret) on a 2-D QArray with a head-permuted input (``in_order``)."""
-    bs = LAYOUTS[qtype].block_size
+    bs = BLOCK_LAYOUTS[qtype].block_size
     d_in, d_out = 4 * bs, 96
     raw = blocks(qtype, (), d_out, d_in // bs, seed=7)
     view, axes = (2, 2, d_in // 4), (1, 0, 2)

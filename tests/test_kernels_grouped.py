@@ -14,7 +14,7 @@ from tests.kernel_cases import KERNEL_TYPES, LIMIT, activations, bank, jit_stati
 from tests.test_kernels_decode import EXPERTS, TOP_K, moe_banks
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import grouped_matmul as gm
-from zoo.quant.ggml import QType
+from zoo.formats.ggml import QType
 
 TOL = 1e-6
 BLOCK_ROWS = 8

@@ -25,9 +25,9 @@ from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels import dispatch
 from zoo.kernels import grouped_matmul as gm
 from zoo.kernels.dispatch import Policy, use_policy
-from zoo.quant import planes as P
-from zoo.quant.ggml import LAYOUTS, QType
-from zoo.quant.gguf import GGUFSource
+from zoo.formats import planes as P
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+from zoo.sources.gguf import GGUFSource
 from zoo.quant.qarray import QArray
 
 GLM, QWEN = DATA / "glm53-q256-udmix.gguf", DATA / "qwen38-q256-udmix.gguf"
@@ -140,7 +140,7 @@ def test_kernels_lower_at_glm_per_chip_sizes():
     dense projection. Abstract planes: the shapes, block specs and VMEM limits, nothing allocated."""
     def abstract(qtype, shape):
         *lead, d_in, d_out = shape
-        planes = P.plane_shapes(qtype, tuple(lead), d_out, d_in // LAYOUTS[qtype].block_size)
+        planes = P.plane_shapes(qtype, tuple(lead), d_out, d_in // BLOCK_LAYOUTS[qtype].block_size)
         return QArray({k: jax.ShapeDtypeStruct(s, jnp.uint32) for k, s in planes.items()}, qtype, shape)
 
     banks = (abstract(QType.IQ2_S, (288, 4096, 256)), abstract(QType.IQ2_S, (288, 4096, 256)),

@@ -11,8 +11,9 @@ import pytest
 from safetensors.numpy import save_file
 
 import zoo
-from zoo.config import ConfigError
-from zoo.quant.safetensors import SafetensorsSource, SourceError
+from zoo.models.config import ConfigError
+from zoo.sources.base import SourceError
+from zoo.sources.safetensors import SafetensorsSource
 from zoo.registry import UnknownModelError, embedded_path
 
 

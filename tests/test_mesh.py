@@ -17,19 +17,19 @@ import zoo
 from tests.helpers import CountingSource
 from tests.test_plan import ROUTED_EXPERT_BYTES
 from tests.test_qarray import random_rows
-from zoo.api import StackedSlices
-from zoo.config import load_config
-from zoo.mesh import LAYOUTS, make_mesh, partition_spec, resolve_mesh, sharding_rule, value_specs
-from zoo.models import arch
-from zoo.models.cache_axes import cache_axes
-from zoo.placement import ReadPlan, SliceView
-from zoo.quant.fp8 import Fp8Dequantized
-from zoo.quant.ggml import QType
-from zoo.quant.gguf import GGUFSource
+from zoo.loader.fill import StackedSlices
+from zoo.models.config import load_config
+from zoo.sharding.mesh import MESH_LAYOUTS, make_mesh, partition_spec, resolve_mesh, sharding_rule, value_specs
+from zoo.models.architectures import architecture as arch
+from zoo.sharding.cache_axes import cache_axes
+from zoo.sharding.placement import ReadPlan, SliceView
+from zoo.sources.fp8 import Fp8Dequantized
+from zoo.formats.ggml import QType
+from zoo.sources.gguf import GGUFSource
 from zoo.quant.int8 import Int8Weight, quantize_int8
-from zoo.quant.names import HeadOrder, Target, Transform
+from zoo.sources.names import HeadOrder, Target, Transform
 from zoo.quant.qarray import QArray
-from zoo.quant.safetensors import TensorInfo
+from zoo.sources.base import TensorInfo
 from zoo.registry import embedded_path
 
 DATA = Path(__file__).parent / "data"
@@ -52,8 +52,8 @@ def test_partition_spec_follows_the_rules_with_safe_fallbacks():
 
 
 def test_meshes_and_layout_names():
-    assert LAYOUTS["ep"].mesh_shape(8) == (2, 4) and LAYOUTS["ep"].mesh_shape(4) == (2, 2)
-    assert LAYOUTS["tp"].mesh_shape(8) == (8,)
+    assert MESH_LAYOUTS["ep"].mesh_shape(8) == (2, 4) and MESH_LAYOUTS["ep"].mesh_shape(4) == (2, 2)
+    assert MESH_LAYOUTS["tp"].mesh_shape(8) == (8,)
     mesh = make_mesh("ep")
     assert mesh.axis_names == ("ep", "tp") and mesh.devices.size == jax.local_device_count()
     assert resolve_mesh("tp").axis_names == ("tp",) and resolve_mesh(None) is None
@@ -141,7 +141,7 @@ def test_every_cache_leaf_has_logical_axes(name):
 def test_read_plans_and_slice_views():
     src = GGUFSource(DATA / "qwen38-q256-udmix.gguf")
     key = "blk.0.ffn_down.weight"                                               # IQ4_XS [256 out, 512 in]
-    plan = ReadPlan.of(src, key, "T", (512, 256))
+    plan = ReadPlan.of(src, key, "matmul", (512, 256))
     assert plan.axes_of_source == (1, 0) and plan.sliced == (True, True) and (plan.block_axis, plan.block) == (0, 256)
     assert plan.read_index((slice(256, 512), slice(0, 32)), (512, 256)) == (slice(256, 512), slice(0, 32))
     assert plan.read_index((slice(0, 128), slice(0, 32)), (512, 256)) == (slice(0, 512), slice(0, 32))
@@ -153,8 +153,8 @@ def test_read_plans_and_slice_views():
     assert np.array_equal(other.read(key), src.read(key)[:32, :136]) and len(counting.reads) == 1
     floats = ReadPlan.of(src, "blk.0.attn_norm.weight", "minus_one", (256,))
     assert floats.sliced == (True,) and floats.block_axis is None
-    assert ReadPlan.of(src, "blk.0.ffn_gate.weight", "T", (256, 512)).sliced == (True, True)
-    heads = Transform("T", HeadOrder(axis=0, start=0, groups=4, per_group=3, unit=64))
+    assert ReadPlan.of(src, "blk.0.ffn_gate.weight", "matmul", (256, 512)).sliced == (True, True)
+    heads = Transform("matmul", HeadOrder(axis=0, start=0, groups=4, per_group=3, unit=64))
     assert ReadPlan.of(src, "blk.0.attn_gate.weight", heads, (256, 768)).axes_of_source is None
 
 
@@ -179,7 +179,7 @@ class _Dict:
 def test_stacked_expert_slices_read_only_what_a_device_needs():
     experts = {f"e.{i}.w": np.random.default_rng(i).standard_normal((16, 8)).astype(np.float32) for i in range(4)}
     source = _Dict(experts)
-    target = Target("experts.w", "T", 0, (2, 3))
+    target = Target("experts.w", "matmul", 0, (2, 3))
     view = StackedSlices(source, list(experts), target, jax.ShapeDtypeStruct((4, 8, 16), np.float32))
     part = view.read(view.name, (slice(1, 3), slice(0, 8), slice(4, 12)))
     assert np.array_equal(part, np.stack([experts[f"e.{i}.w"].T[:, 4:12] for i in (1, 2)]))

@@ -10,10 +10,11 @@ import pytest
 
 import zoo
 from zoo import registry
-from zoo.config import config_from_hf
-from zoo.quant.gguf import GGUFSource
-from zoo.quant.gguf_model import config_from_gguf
-from zoo.quant.plan import INVENTORIES, plan_config, plan_gguf
+from zoo.models.config import config_from_hf
+from zoo.sources.gguf import GGUFSource
+from zoo.loader.gguf_model import config_from_gguf
+from zoo.models.architectures import architecture
+from zoo.tools.plan import plan_config, plan_gguf
 
 DATA = Path(__file__).parent / "data"
 
@@ -52,7 +53,7 @@ def shapes(path: Path) -> dict[str, tuple[int, ...]]:
 @pytest.mark.parametrize("name", ["qwen38-q256-udmix.gguf", "qwen38-tiny-mtp-f32.gguf"])
 def test_qwen_inventory_is_exactly_the_files_tensors(name):
     cfg = config_from_gguf(GGUFSource(DATA / name))
-    assert {t.name: t.shape for t in INVENTORIES["qwen35"](cfg)} == shapes(DATA / name)
+    assert {t.name: t.shape for t in architecture("qwen38").part("inventory")(cfg)} == shapes(DATA / name)
 
 
 @pytest.mark.parametrize("name", sorted(GLM_FIXTURES))
@@ -60,7 +61,7 @@ def test_glm_inventory_is_exactly_the_files_tensors(name):
     """Up to unit dims: llama.cpp writes the KDA convs as ne [4, 1, C] or [4, 1, C, 1] by version."""
     cfg = config_from_hf({"model_type": "glm5_next_text", **GLM_FIXTURES[name]})
     squeeze = lambda table: {k: tuple(d for d in v if d != 1) for k, v in table.items()}   # noqa: E731
-    assert squeeze({t.name: t.shape for t in INVENTORIES["glm5next"](cfg)}) == squeeze(shapes(DATA / name))
+    assert squeeze({t.name: t.shape for t in architecture("glm53").part("inventory")(cfg)}) == squeeze(shapes(DATA / name))
 
 
 def glm53_plan(quant: str, devices: int = 8):

@@ -11,20 +11,20 @@ import pytest
 from gguf import quants as gq
 
 from tests.helpers import rel_err
-from zoo.quant import planes as P
-from zoo.quant.ggml import F16, LAYOUTS, QType
-from zoo.quant.gguf import GGUFSource
-from zoo.quant.matmul import dense_matmul, matmul
+from zoo.formats import planes as P
+from zoo.formats.ggml import F16, BLOCK_LAYOUTS, QType
+from zoo.sources.gguf import GGUFSource
+from zoo.ops.matmul import dense_matmul, matmul
 from zoo.quant.qarray import QArray
 
 DATA = Path(__file__).parent / "data"
-QUANTIZED = sorted(t for t, layout in LAYOUTS.items() if layout.block_size > 1)
+QUANTIZED = sorted(t for t, layout in BLOCK_LAYOUTS.items() if layout.block_size > 1)
 
 
 def random_rows(qtype: QType, lead: tuple[int, ...], rows: int, n_blocks: int, seed: int = 0) -> np.ndarray:
     """uint8 [*lead, rows, n_blocks * type_size]: random blocks whose f16 fields are small finite scales."""
     rng = np.random.default_rng(seed)
-    layout = LAYOUTS[qtype]
+    layout = BLOCK_LAYOUTS[qtype]
     blocks = rng.integers(0, 256, size=(*lead, rows, n_blocks, layout.type_size), dtype=np.uint8)
     for f in layout.fields:
         if f.dtype == F16:
@@ -43,7 +43,7 @@ def test_planes_round_trip_exactly(qtype):
     back = np.asarray(P.from_planes(planes, qtype, 3))
     assert back.dtype == np.uint8 and np.array_equal(back, data)
     payload = data[0].nbytes
-    assert payload <= P.plane_nbytes(qtype, 5, 3) <= payload + 5 * 4 * len(LAYOUTS[qtype].fields)
+    assert payload <= P.plane_nbytes(qtype, 5, 3) <= payload + 5 * 4 * len(BLOCK_LAYOUTS[qtype].fields)
 
 
 def test_plane_layout_puts_rows_on_the_minor_axis():
@@ -60,7 +60,7 @@ def test_plane_layout_puts_rows_on_the_minor_axis():
 def test_exact_payload_for_the_ud_expert_types():
     """Storage equals the GGUF payload when a row holds an even number of blocks."""
     for qtype in (QType.IQ2_S, QType.IQ3_S, QType.IQ4_XS):
-        assert P.plane_nbytes(qtype, 256, 16) == 256 * 16 * LAYOUTS[qtype].type_size
+        assert P.plane_nbytes(qtype, 256, 16) == 256 * 16 * BLOCK_LAYOUTS[qtype].type_size
 
 
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q6_K, QType.IQ3_XXS, QType.IQ4_XS, QType.IQ2_S,
@@ -69,7 +69,7 @@ def test_dequantize_from_planes_is_bit_exact_with_gguf(qtype):
     """Stacked experts [E, out, in]: QArray.dequantize() equals gguf's dequantizer, transposed."""
     data = random_rows(qtype, (2,), rows=6, n_blocks=2, seed=int(qtype))
     q = QArray.from_blocks(data, qtype)
-    block = LAYOUTS[qtype].block_size
+    block = BLOCK_LAYOUTS[qtype].block_size
     assert q.shape == (2, 2 * block, 6) and q.ndim == 3
     ours = np.asarray(q.dequantize())
     ref = gq.dequantize(data, qtype).swapaxes(-1, -2)
@@ -125,7 +125,7 @@ def test_inconsistent_planes_are_rejected():
 
 
 def test_moe_over_qarray_banks_equals_dense_banks():
-    from zoo.quant.moe import dense_moe, moe
+    from zoo.ops.moe import dense_moe, moe
 
     rng = np.random.default_rng(3)
     e, d, i = 4, 64, 32

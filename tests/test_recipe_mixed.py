@@ -1,6 +1,6 @@
 """``quant="UD-IQ3_XXS"`` on a GGUF + safetensors pair: routed experts from the GGUF as stored (QArray
 banks of each tensor's own type), everything else from the original checkpoint; each source read
-through its own name map (``zoo.quant.views.MixedSource``)."""
+through its own name map (``zoo.sources.views.MixedSource``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from gguf import quants as gq
 import zoo
 from tests import glm_reference as ref
 from tests.gguf_files import write_gguf
-from zoo.quant.ggml import QType
-from zoo.quant.gguf import GGUFSource
+from zoo.formats.ggml import QType
+from zoo.sources.gguf import GGUFSource
 from zoo.quant.qarray import QArray
-from zoo.quant.safetensors import SourceError
+from zoo.sources.base import SourceError
 
 # routed-expert bank -> ggml type written into the GGUF (rows of 64 / 32 weights: 32-blocks)
 TYPES = {"gate": QType.Q8_0, "up": QType.Q4_0, "down": QType.Q5_1}

@@ -1,4 +1,4 @@
-"""Remote GGUFs read with HTTP range requests (``zoo.quant.remote``), against a real HTTP server on
+"""Remote GGUFs read with HTTP range requests (``zoo.sources.remote``), against a real HTTP server on
 127.0.0.1 (uvicorn + Starlette's static files, which honour ``Range``): ``zoo plan`` reads only the
 header, ``zoo audit`` only the header and the chosen experts/rows, and every read equals the local
 file's. The Hugging Face Hub is the same code path with an ``hf://`` reference resolved to its
@@ -20,11 +20,11 @@ from tests.gguf_files import metadata_of, write_gguf
 from tests.test_audit import BANK, EXPERTS, ROWS
 from tests.test_audit import files as audit_files  # noqa: F401  (the module fixture, reused)
 from zoo.cli import main
-from zoo.quant.audit import audit
-from zoo.quant.gguf import GGUFSource, check_header
-from zoo.quant.plan import plan_gguf
-from zoo.quant.remote import HEADER_FIRST, _resolve
-from zoo.quant.safetensors import SourceError
+from zoo.tools.audit import audit
+from zoo.sources.gguf import GGUFSource, check_header
+from zoo.tools.plan import plan_gguf
+from zoo.sources.remote import HEADER_FIRST, _resolve
+from zoo.sources.base import SourceError
 from zoo.serving.server import ServerThread
 
 DATA = Path(__file__).parent / "data"

@@ -20,8 +20,8 @@ import pytest
 
 from tests.gguf_files import dequantized, metadata_of, write_gguf
 from tests.random_checkpoints import write_random_checkpoint
-from zoo.quant.ggml import QType
-from zoo.quant.gguf import GGUFSource
+from zoo.formats.ggml import QType
+from zoo.sources.gguf import GGUFSource
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"

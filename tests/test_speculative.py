@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.serving.engine import MIN_ROWS
+from zoo.serving.generator import MIN_ROWS
 from zoo.serving.speculative import accept
 from tests.helpers import bigram_variant
 

@@ -138,8 +138,8 @@ def test_reasoning_opened_by_model_and_absent():
 def test_prompt_and_format_detection():
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_reasoning("<think>\n\n</think>\n\n")
-    assert detect_format("qwen35", None) == "qwen" and detect_format("glm5next", "") == "glm"
-    assert detect_format("qwen35", "{{ '<arg_key>' }}") == "glm"
+    assert detect_format("qwen38", None) == "qwen" and detect_format("glm53", "") == "glm"
+    assert detect_format("qwen38", "{{ '<arg_key>' }}") == "glm"
     assert detect_format("other", None) is None
     assert call_prefix("qwen", "f") == "<tool_call>\n<function=f>\n" and call_prefix("glm") == "<tool_call>"
 

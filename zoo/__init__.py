@@ -17,8 +17,8 @@ def load(name_or_path, *, quant=None, mesh=None, cache=None, dtype="bfloat16"):
 
 def plan(name, *, quant, devices=8, layout="tp"):
     """Memory plan of a registry model under a quantization recipe on ``devices`` chips in a mesh
-    layout ("tp" or "ep"; see ``zoo.quant.plan.plan``)."""
-    from zoo.quant.plan import plan as _plan
+    layout ("tp" or "ep"; see ``zoo.tools.plan.plan``)."""
+    from zoo.tools.plan import plan as _plan
     return _plan(name, quant=quant, devices=devices, layout=layout)
 
 

@@ -4,8 +4,8 @@
     zoo generate --model NAME|PATH --prompt TEXT [--max-tokens N] [--temperature T] ...
     zoo models                       registered model names
     zoo inspect NAME|PATH            config and tensor inventory of a checkpoint, no weights loaded
-    zoo plan | audit ...             memory plan, quantization audit (``zoo.quant.cli``)
-    zoo cache build | ls | push | pull   repacked-weight caches and Kaggle datasets (``zoo.cache_cli``)
+    zoo plan | audit ...             memory plan, quantization audit (``zoo.tools.cli``)
+    zoo cache build | ls | push | pull   repacked-weight caches and Kaggle datasets (``zoo.weight_cache.cli``)
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def _inspect(args) -> int:
     import dataclasses
 
     from zoo.api import resolve
-    from zoo.config import load_config
-    from zoo.quant.safetensors import SafetensorsSource
+    from zoo.models.config import load_config
+    from zoo.sources.safetensors import SafetensorsSource
 
     path = resolve(args.model)
     cfg = load_config(path)
@@ -166,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.set_defaults(fn=_inspect)
 
-    from zoo.quant.cli import add_commands
+    from zoo.tools.cli import add_commands
     add_commands(sub)
-    from zoo import cache_cli
+    from zoo.weight_cache import cli as cache_cli
     cache_cli.add_commands(sub)
     return p
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from zoo.models.architectures import BY_MODEL_NAME
+
 # What a text model needs from an HF repo (vision-only files are skipped).
 HF_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -19,22 +21,26 @@ HF_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "model.
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    arch: str
     description: str
     preset: str | None = None          # configs/<preset>: the real shape, for planning without weights
     hf_repo: str | None = None         # Hugging Face repo of the original checkpoint
     embedded: str | None = None        # zoo/assets/<embedded>: weights shipped inside the package
     default_quant: str | None = None
 
+    @property
+    def arch(self) -> str:
+        """The architecture id (``zoo.models.architectures``: the one table that maps names to it)."""
+        return BY_MODEL_NAME[self.name].id
+
 
 REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
-    ModelSpec("qwen38-27b", "qwen35", "Qwen3.8-27B: 48 gated-DeltaNet + 16 gated-attention layers, MTP",
+    ModelSpec("qwen38-27b", "Qwen3.8-27B: 48 gated-DeltaNet + 16 gated-attention layers, MTP",
               preset="qwen38-27b.json", hf_repo="Qwen/Qwen3.8-27B"),
-    ModelSpec("qwen38-tiny", "qwen35", "Tiny Qwen3.8-architecture model with random weights (demo, tests)",
+    ModelSpec("qwen38-tiny", "Tiny Qwen3.8-architecture model with random weights (demo, tests)",
               preset="qwen38-tiny.json", embedded="qwen38-tiny"),
-    ModelSpec("glm53-flash", "glm5next", "GLM-5.3-Flash: 34 KDA + 11 MLA/indexer layers, 288-expert MoE, "
+    ModelSpec("glm53-flash", "GLM-5.3-Flash: 34 KDA + 11 MLA/indexer layers, 288-expert MoE, "
               "mHC streams, MTP (FP8 weights)", preset="glm53-flash.json", hf_repo="zai-org/GLM-5.3-Flash"),
-    ModelSpec("glm53-tiny", "glm5next", "Tiny GLM-5.3-architecture model with random weights (demo, tests)",
+    ModelSpec("glm53-tiny", "Tiny GLM-5.3-architecture model with random weights (demo, tests)",
               preset="glm53-tiny.json", embedded="glm53-tiny"),
 ]}
 

@@ -21,7 +21,7 @@ is read and decoded once.
 Activations enter in each weight's plane order (``zoo.kernels.tiles``: a static permutation of the
 features, applied once in jnp). ``reference_moe`` / ``reference_linear`` compute the same thing in
 jnp with the same tile decoders (direct gathers instead of lane gathers): the CPU fast path, and the
-oracle the kernels are tested against. Rounding follows ``zoo.quant.moe.dense_moe``: projections
+oracle the kernels are tested against. Rounding follows ``zoo.ops.moe.dense_moe``: projections
 accumulate in float32 and are cast to the activation dtype, SwiGLU runs in that dtype, the weighted
 sum over experts in float32.
 """
@@ -39,8 +39,8 @@ from zoo.kernels.formats import format_of
 from zoo.kernels.operands import Weight, plane_inputs, split_refs
 from zoo.kernels.tiles import decode_parts, input_order, n_tiles, tiling_for
 from zoo.kernels.tpu import LANES, block_specs, compiler_params, matvec, spec_bytes, table_operands
-from zoo.quant.matmul import dense_matmul, precision_for
-from zoo.quant.moe import swiglu
+from zoo.ops.matmul import dense_matmul, precision_for
+from zoo.ops.moe import swiglu
 
 F32 = jnp.float32
 

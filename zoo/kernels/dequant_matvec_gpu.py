@@ -32,8 +32,8 @@ from zoo.kernels.dequant_matvec import expert_plan
 from zoo.kernels.formats import format_of
 from zoo.kernels.operands import Weight, plane_inputs, split_refs
 from zoo.kernels.tiles import TABLES, Tiling, bits, tiling_for, to_int32, words_per_block
-from zoo.quant.matmul import precision_for
-from zoo.quant.moe import swiglu
+from zoo.ops.matmul import precision_for
+from zoo.ops.moe import swiglu
 
 F32 = jnp.float32
 MIN_ROWS = 16

@@ -1,7 +1,7 @@
 """The one place that decides how a quantized matmul or expert bank is computed.
 
 ``zoo.quant.qarray`` registers :func:`quantized_matmul` and :func:`quantized_moe` as the QArray
-implementations of ``zoo.quant.matmul.matmul`` / ``zoo.quant.moe.moe``. The rule, per call (at
+implementations of ``zoo.ops.matmul.matmul`` / ``zoo.ops.moe.moe``. The rule, per call (at
 trace time, from static shapes):
 
 1. **format**: a ggml type without a tile decoder (``zoo.kernels.formats``) is dequantized whole
@@ -35,8 +35,8 @@ from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels import grouped_matmul as gm
 from zoo.kernels.formats import format_of
-from zoo.quant.matmul import dense_matmul
-from zoo.quant.moe import dense_moe
+from zoo.ops.matmul import dense_matmul
+from zoo.ops.moe import dense_moe
 
 Backend = Literal["auto", "tpu", "gpu", "reference", "dequantize"]
 
@@ -133,12 +133,12 @@ def moe_impl(rows: int, top_k: int, banks: tuple, policy: Policy) -> Callable:
 def quantized_matmul(x: jax.Array, w, out_dtype) -> jax.Array:
     """``x [..., in] @ w`` for a 2-D QArray, by :func:`matmul_impl` under the current policy."""
     if w.ndim != 2:
-        raise ValueError(f"matmul needs a 2-D weight, got {w}; expert banks go through zoo.quant.moe")
+        raise ValueError(f"matmul needs a 2-D weight, got {w}; expert banks go through zoo.ops.moe")
     return matmul_impl(math.prod(x.shape[:-1]), w, current_policy())(x, w, out_dtype)
 
 
 def quantized_moe(x, weights, ids, gate_bank, up_bank, down_bank, limit):
-    """Routed experts over QArray banks (``zoo.quant.moe`` contract), by :func:`moe_impl`."""
+    """Routed experts over QArray banks (``zoo.ops.moe`` contract), by :func:`moe_impl`."""
     banks = (gate_bank, up_bank, down_bank)
     impl = moe_impl(x.shape[0], ids.shape[1], banks, current_policy())
     return impl(x, weights, ids, *banks, limit)

@@ -6,8 +6,8 @@ size) for ``R`` output columns; ``in_block[p, r]`` is the in-block index of the 
 of piece ``p``. A piece is what one set of shifts extracts from the same code words, so the word
 axis of the planes stays the row axis and no weight moves across rows; the decoders compute all
 pieces at once, with shifts that vary along the piece axes (``iota``), so a decoder is a few dozen
-array operations whatever its piece count. The field semantics are ggml's (``zoo.quant.ggml``
-layouts, the math of ``zoo.quant.dequant`` / ``dequant_iq``): the same float32 operations in the
+array operations whatever its piece count. The field semantics are ggml's (``zoo.formats.ggml``
+layouts, the math of ``zoo.formats.dequant`` / ``dequant_iq``): the same float32 operations in the
 same order, so every weight is bit-identical to ``gguf.quants.dequantize``.
 
 Integer math on traced values sticks to shifts and masks (no ``//`` or ``%``, which lower through
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.kernels.tiles import F32, Reader, bits, check_in_block, f16_to_f32, shr, signed_byte, to_f32
-from zoo.quant.ggml import LAYOUTS, QType
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Format:
     tables: tuple[str, ...] = ()
 
     def __post_init__(self):
-        check_in_block(self.in_block, LAYOUTS[self.qtype].block_size)
+        check_in_block(self.in_block, BLOCK_LAYOUTS[self.qtype].block_size)
 
 
 def iota(*shape: int) -> list[jax.Array | None]:

@@ -33,8 +33,8 @@ from zoo.kernels.dequant_matvec import decode_bank, reference_linear
 from zoo.kernels.operands import Weight, plane_inputs, split_refs
 from zoo.kernels.tiles import n_tiles
 from zoo.kernels.tpu import LANES, block_specs, compiler_params, decode_chunk, spec_bytes, table_operands
-from zoo.quant.matmul import precision_for
-from zoo.quant.moe import dense_moe, swiglu
+from zoo.ops.matmul import precision_for
+from zoo.ops.moe import dense_moe, swiglu
 
 F32 = jnp.float32
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from zoo.kernels.formats import Format, format_of
 from zoo.kernels.tiles import Tiling, input_order, tiling_for
-from zoo.quant.ggml import LAYOUTS
+from zoo.formats.ggml import BLOCK_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Weight:
         tiling = tiling_for(q.qtype, q.n_blocks, q.in_splits, max_inputs, power_of_two)
         if fmt is None or tiling is None:
             raise NotImplementedError(f"no kernel tiling of {q} (power_of_two={power_of_two})")
-        names = tuple(f.name for f in LAYOUTS[q.qtype].fields)
+        names = tuple(f.name for f in BLOCK_LAYOUTS[q.qtype].fields)
         planes = tuple(q.planes[n] if q.ndim == 3 else q.planes[n][None] for n in names)
         return cls(fmt, tiling, names, planes, input_order(tiling, fmt.in_block, q.in_order))
 

@@ -1,6 +1,6 @@
 """Decoding quantized weights straight from the plane layout, one tile of blocks at a time.
 
-The plane layout (``zoo.quant.planes``) keeps every block field as ``uint32 [*lead, n_words, out]``
+The plane layout (``zoo.formats.planes``) keeps every block field as ``uint32 [*lead, n_words, out]``
 with the output features on the minor (lane) axis. A *tile* is ``tb`` consecutive blocks of the
 input axis for every output column of a plane slice. A format's tile decoder
 (``zoo.kernels.formats``) turns a tile into ``float32 [..., P, tb, m, R]``: ``P`` *pieces* of
@@ -15,7 +15,7 @@ few shifts extract from the same words; piece ``p`` row ``r`` of block ``b`` is 
 in *plane order*. Activations are permuted once into that order (a static index map,
 :func:`input_order`) so that ``x_plane @ W_plane == x @ W``; no weight is ever reordered.
 
-**Tiling.** A weight's input axis is ``in_splits`` parts (``zoo.quant.planes``) of ``n_blocks /
+**Tiling.** A weight's input axis is ``in_splits`` parts (``zoo.formats.planes``) of ``n_blocks /
 in_splits`` blocks; each part is cut into chunks of ``tb`` blocks (``tb`` divides the part; it is
 even unless it is the whole part, so two-byte fields never straddle a chunk). Chunk ``q`` of field
 ``f`` is then words ``[q * plane_words(f, tb), (q + 1) * plane_words(f, tb))`` of the plane.
@@ -40,10 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.quant import planes as P
-from zoo.quant.dequant import KVALUES_IQ4NL
-from zoo.quant.dequant_iq import IQ2S_GRID, IQ3S_GRID, IQ3XXS_GRID
-from zoo.quant.ggml import LAYOUTS, QType
+from zoo.formats import planes as P
+from zoo.formats.dequant import KVALUES_IQ4NL
+from zoo.formats.dequant_iq import IQ2S_GRID, IQ3S_GRID, IQ3XXS_GRID
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -136,7 +136,7 @@ class Reader(Protocol):
 
 def words_per_block(qtype: QType, name: str) -> int:
     """Words per block of a field of whole words."""
-    return LAYOUTS[qtype].field(name).nbytes // 4
+    return BLOCK_LAYOUTS[qtype].field(name).nbytes // 4
 
 
 def split_halves(w: jax.Array, tb: int) -> jax.Array:
@@ -192,7 +192,7 @@ class Tiling:
 
     @property
     def block_size(self) -> int:
-        return LAYOUTS[self.qtype].block_size
+        return BLOCK_LAYOUTS[self.qtype].block_size
 
     @property
     def chunk_inputs(self) -> int:
@@ -201,7 +201,7 @@ class Tiling:
 
     def chunk_words(self, name: str) -> int:
         """Words of field ``name`` per chunk."""
-        return P.plane_words(LAYOUTS[self.qtype].field(name), self.tb)
+        return P.plane_words(BLOCK_LAYOUTS[self.qtype].field(name), self.tb)
 
 
 def tiling_for(qtype: QType, n_blocks: int, in_splits: int = 1, max_inputs: int | None = 2048,
@@ -210,7 +210,7 @@ def tiling_for(qtype: QType, n_blocks: int, in_splits: int = 1, max_inputs: int 
     per part), preferring chunks of a multiple of 16 blocks (word offsets aligned to 8 sublanes).
     With ``power_of_two`` (Triton's tensor shapes) only power-of-two chunks qualify; None if none does."""
     part = n_blocks // in_splits
-    bs = LAYOUTS[qtype].block_size
+    bs = BLOCK_LAYOUTS[qtype].block_size
     ok = [tb for tb in range(1, part + 1) if part % tb == 0 and (tb % 2 == 0 or tb == part)
           and (not power_of_two or tb & (tb - 1) == 0)]
     if max_inputs is not None:

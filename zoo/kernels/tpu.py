@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from zoo.kernels.operands import Weight
 from zoo.kernels.tiles import LANES, TABLES, Tiling, lane_table, shr, split_halves, to_int32, words_per_block
-from zoo.quant.matmul import precision_for
+from zoo.ops.matmul import precision_for
 
 
 def block_specs(weight: Weight, index_map: Callable) -> list[pl.BlockSpec]:

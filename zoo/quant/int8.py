@@ -2,9 +2,9 @@
 
 ``Int8Weight`` holds ``q int8 [..., in, out]`` and ``scale f32 [..., out]`` with ``w ~= q * scale``
 (symmetric, ``scale = max|w| / 127`` over the input axis). It is a pytree, so a parameter can hold it,
-and it registers with ``zoo.quant.matmul`` (linear layers) and ``zoo.quant.moe`` (expert banks
+and it registers with ``zoo.ops.matmul`` (linear layers) and ``zoo.ops.moe`` (expert banks
 ``[E, in, out]``, one scale per expert and output channel). ``int8_store`` is the storage function
-for ``fill_from_source``: matmul weights (parameters whose name ends in ``kernel``) become
+for ``fill_from_source``: matmul weights (by their layout transform, ``LayoutTransform.matmul``) become
 ``Int8Weight``; norms, embeddings, routers, decays and the like stay dense.
 """
 
@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zoo.api import dense_store
-from zoo.mesh import ShardingRule, partition_spec, register_sharding
-from zoo.quant.matmul import dense_matmul, register_matmul
-from zoo.quant.moe import dense_moe, register_moe
+from zoo.sharding.mesh import ShardingRule, partition_spec, register_sharding
+from zoo.ops.matmul import dense_matmul, register_matmul
+from zoo.ops.moe import dense_moe, register_moe
+from zoo.quant.storage import dense_store
+from zoo.sources.names import layout_transform
 
 
 @jax.tree_util.register_dataclass
@@ -59,14 +60,15 @@ def int8_moe(x, weights, ids, gate_bank, up_bank, down_bank, limit):
 
 
 def int8_store(source, key: str, transform, want: jax.ShapeDtypeStruct, path: str):
-    """``fill_from_source`` storage: ``*kernel`` parameters as ``Int8Weight``, the rest dense."""
-    if not path.rsplit(".", 1)[-1].endswith("kernel"):
+    """``fill_from_source`` storage: matmul weights (the transform's ``LayoutTransform.matmul``) as
+    ``Int8Weight``, the rest dense."""
+    if not layout_transform(transform).matmul:
         return dense_store(source, key, transform, want, path)
     full = dense_store(source, key, transform, jax.ShapeDtypeStruct(want.shape, jnp.float32), path)
     return quantize_int8(full)
 
 
-# -- sharding (``zoo.mesh``): q follows the logical spec, the scales its lead and output axes ------
+# -- sharding (``zoo.sharding.mesh``): q follows the logical spec, the scales its lead and output axes ------
 
 
 def _scale_spec(spec: PartitionSpec) -> PartitionSpec:

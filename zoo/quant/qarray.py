@@ -1,13 +1,13 @@
 """QArray: a quantized weight as a jax pytree of uint32 planes plus static metadata.
 
     QArray(planes, qtype, shape, in_order=None, version=LAYOUT_VERSION, in_splits=1)
-      planes   {field: uint32 [*lead, n_words, out]}   the kernel layout of ``zoo.quant.planes``
+      planes   {field: uint32 [*lead, n_words, out]}   the kernel layout of ``zoo.formats.planes``
       qtype    the ggml type of the blocks                                       (static)
       shape    logical shape ``[*lead, in, out]`` as the linear layer sees it    (static)
       in_order None, or ``(view_shape, axes)``: the stored input axis is the logical one reshaped
                to ``view_shape`` and transposed by ``axes`` (a head permutation the source applied
                across block boundaries, e.g. llama.cpp's tiled value heads in ``ssm_out``) (static)
-      in_splits  the row's blocks packed as this many equal parts (``zoo.quant.planes``): a weight
+      in_splits  the row's blocks packed as this many equal parts (``zoo.formats.planes``): a weight
                split by input blocks over that many devices holds whole word groups per device (static)
 
 ``lead`` is empty for a linear weight and ``(E,)`` for a bank of stacked experts. The planes are
@@ -29,12 +29,12 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from zoo.kernels import dispatch
-from zoo.mesh import ShardingRule, partition_spec, register_sharding, shard_shape
-from zoo.quant import planes as P
-from zoo.quant.dequant import dequantize_jnp
-from zoo.quant.ggml import LAYOUTS, QType, qtype_of
-from zoo.quant.matmul import register_matmul
-from zoo.quant.moe import register_moe
+from zoo.sharding.mesh import ShardingRule, partition_spec, register_sharding, shard_shape
+from zoo.formats import planes as P
+from zoo.formats.dequant import dequantize_jnp
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType, qtype_of
+from zoo.ops.matmul import register_matmul
+from zoo.ops.moe import register_moe
 
 InOrder = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -50,7 +50,7 @@ class QArray:
 
     def __post_init__(self):
         *lead, d_in, d_out = self.shape
-        layout = LAYOUTS[self.qtype]
+        layout = BLOCK_LAYOUTS[self.qtype]
         if layout.block_size == 1 or d_in % layout.block_size:
             raise ValueError(f"QArray {self.qtype.name} {self.shape}: the input dim must be whole "
                              f"blocks of a quantized type")
@@ -66,7 +66,7 @@ class QArray:
     def from_blocks(cls, data: np.ndarray, qtype, in_order: InOrder | None = None, in_splits: int = 1) -> "QArray":
         """From GGUF rows ``uint8 [*lead, out, row_bytes]`` (``GGUFSource.read`` of a matrix)."""
         qtype = qtype_of(qtype)
-        layout = LAYOUTS[qtype]
+        layout = BLOCK_LAYOUTS[qtype]
         *lead, d_out, row_bytes = data.shape
         d_in = row_bytes // layout.type_size * layout.block_size
         planes = {k: jnp.asarray(v) for k, v in P.to_planes(np.asarray(data), qtype, in_splits).items()}
@@ -83,7 +83,7 @@ class QArray:
 
     @property
     def n_blocks(self) -> int:
-        return self.shape[-2] // LAYOUTS[self.qtype].block_size
+        return self.shape[-2] // BLOCK_LAYOUTS[self.qtype].block_size
 
     def __repr__(self) -> str:
         return f"QArray({self.qtype.name}, shape={self.shape}, {self.nbytes} bytes)"
@@ -116,20 +116,20 @@ register_matmul(QArray)(dispatch.quantized_matmul)
 register_moe(QArray)(dispatch.quantized_moe)
 
 
-# -- sharding (``zoo.mesh``): planes follow the logical [*lead, in, out] split ----------------------
+# -- sharding (``zoo.sharding.mesh``): planes follow the logical [*lead, in, out] split ----------------------
 
 
 def _in_split_aligned(q: QArray, ways: int) -> bool:
     """Splitting the input axis ``ways`` ways gives every device whole word groups of its own
     blocks in every plane: the packing already has a part per device, or the parts line up."""
-    k_max = max(P.blocks_per_word_group(f) for f in LAYOUTS[q.qtype].fields)
+    k_max = max(P.blocks_per_word_group(f) for f in BLOCK_LAYOUTS[q.qtype].fields)
     return q.in_splits % ways == 0 or (q.in_splits == 1 and q.n_blocks % (ways * k_max) == 0)
 
 
 def _placement_spec(q: QArray, axes, shape, mesh) -> PartitionSpec:
     """The split the loader places a QArray of ``q``'s kind with: the input axis in whole blocks
     (the loader packs each device's blocks on their own), never under a head permutation."""
-    units = (1,) * (len(shape) - 2) + (LAYOUTS[q.qtype].block_size, 1)
+    units = (1,) * (len(shape) - 2) + (BLOCK_LAYOUTS[q.qtype].block_size, 1)
     spec = tuple(partition_spec(axes, tuple(shape), mesh, units))
     in_axis = None if q.in_order is not None else spec[-2]
     return PartitionSpec(*spec[:-2], in_axis, spec[-1])
@@ -149,7 +149,7 @@ def _plane_specs(q: QArray, spec: PartitionSpec) -> list[PartitionSpec]:
 def _cut(q: QArray, index: tuple) -> QArray:
     """Host sub-slice over the logical shape; an input-axis cut re-packs the kept blocks."""
     *lead, in_idx, out_idx = index
-    block = LAYOUTS[q.qtype].block_size
+    block = BLOCK_LAYOUTS[q.qtype].block_size
     start, stop, _ = in_idx.indices(q.shape[-2])
     if (start, stop) == (0, q.shape[-2]):
         planes = {k: np.asarray(p)[(*lead, slice(None), out_idx)] for k, p in q.planes.items()}
@@ -158,7 +158,7 @@ def _cut(q: QArray, index: tuple) -> QArray:
     if q.in_order is not None or start % block or stop % block:
         raise ValueError(f"{q}: cannot cut inputs {start}:{stop} (whole blocks, no head order)")
     rows = np.asarray(q.blocks())[(*lead, out_idx)]
-    size = LAYOUTS[q.qtype].type_size
+    size = BLOCK_LAYOUTS[q.qtype].type_size
     return QArray.from_blocks(rows[..., start // block * size:stop // block * size], q.qtype)
 
 
@@ -168,7 +168,7 @@ def _assemble(local: QArray, shape, spec: PartitionSpec, mesh) -> QArray:
     in_splits = local.in_splits * (mesh.shape[in_axis] if in_axis is not None else 1)
     *lead, d_in, d_out = shape
     planes = {k: jax.ShapeDtypeStruct(s, jnp.uint32) for k, s in P.plane_shapes(
-        local.qtype, tuple(lead), d_out, d_in // LAYOUTS[local.qtype].block_size, in_splits).items()}
+        local.qtype, tuple(lead), d_out, d_in // BLOCK_LAYOUTS[local.qtype].block_size, in_splits).items()}
     return QArray(planes, local.qtype, tuple(shape), local.in_order, local.version, in_splits)
 
 

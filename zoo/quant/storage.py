@@ -1,14 +1,14 @@
 """Storage: what each parameter holds, decided per tensor from its own type and the recipe.
 
-A storage function has the signature ``fill_from_source`` calls (``zoo.api``)::
+A storage function has the signature ``fill_from_source`` calls (``zoo.loader.fill``)::
 
     store(source, key, transform, want, path) -> jax.Array | QArray     with .shape == want.shape
 
 ``transform`` comes from the name map (a ``TRANSFORMS`` name or a ``Transform``); ``want`` is the
 abstract parameter (shape, dtype). The rules:
 
-* a **quantized** source tensor whose parameter is a matrix in the matmul layout (its transform
-  ends in ``"T"``: stored ``[*lead, out, in]``, parameter ``[*lead, in, out]``) becomes a
+* a **quantized** source tensor whose parameter is a matrix in the matmul layout (its transform's
+  ``LayoutTransform.matmul``: stored ``[*lead, out, in]``, parameter ``[*lead, in, out]``) becomes a
   ``QArray`` of its own ggml type; a head permutation of its rows is applied to the blocks, one of
   its columns becomes the QArray's ``in_order``;
 * any other quantized tensor (an embedding table, read by row) is dequantized bit-exactly;
@@ -28,13 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import quants as gq
 
-from zoo.quant.dequant import dequantize
-from zoo.quant.ggml import LAYOUTS, QType
-from zoo.quant.names import Transform, apply_transform, layout_of
+from zoo.formats.dequant import dequantize
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+from zoo.sources.names import Transform, apply_transform, layout_transform
 from zoo.quant.qarray import QArray
-from zoo.quant.safetensors import SourceError
+from zoo.sources.base import SourceError
 
-MATMUL_LAYOUT = "T"
 Store = Callable[..., "jax.Array | QArray"]
 
 
@@ -88,7 +87,7 @@ def qarray_value(source, key: str, transform, want, path: str, data=None, qtype=
 
 
 def _matmul_matrix(info, transform) -> bool:
-    return layout_of(transform) == MATMUL_LAYOUT and len(info.shape) >= 2
+    return layout_transform(transform).matmul and len(info.shape) >= 2
 
 
 def as_stored(source, key: str, transform, want, path: str):
@@ -102,7 +101,7 @@ def as_stored(source, key: str, transform, want, path: str):
 def quantizing_store(qtype: QType) -> Store:
     """Float matmul matrices quantized to ``qtype`` by gguf's quantizer at load; quantized source
     tensors as stored; everything else dense."""
-    block = LAYOUTS[qtype].block_size
+    block = BLOCK_LAYOUTS[qtype].block_size
 
     def store(source, key: str, transform, want, path: str):
         info = source.info(key)
@@ -117,3 +116,16 @@ def quantizing_store(qtype: QType) -> Store:
 def dequantized_store(source, key: str, transform, want, path: str) -> jax.Array:
     """Every tensor dense in the parameter dtype (quantized ones dequantized at load)."""
     return dense_value(source, key, transform, want, path)
+
+
+def dense_store(source, key: str, transform: str | None, want: jax.ShapeDtypeStruct, path: str):
+    """Default storage: read the tensor, bring it to the parameter layout, cast to its dtype.
+
+    A storage function decides what a parameter holds (a dense array here; ``QArray`` planes or
+    int8 + scales in the quantized recipes). Its result must have ``.shape == want.shape``.
+    """
+    array = apply_transform(transform, source.read(key))
+    if array.shape != want.shape:
+        raise SourceError(f"tensor {key!r} has shape {tuple(source.info(key).shape)}; parameter "
+                          f"{path} needs {want.shape} (after layout transform {transform!r})")
+    return jnp.asarray(array.astype(want.dtype))

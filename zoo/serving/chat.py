@@ -21,7 +21,7 @@ from typing import AsyncIterator
 import jinja2
 
 from zoo.serving.errors import ApiError
-from zoo.serving.jobs import TICK, Engine, Job
+from zoo.serving.engine_thread import TICK, EngineThread, Job
 from zoo.serving.reasoning import CLOSE, Reasoning, ReasoningParser, Text, partial_suffix, prompt_opens_reasoning
 from zoo.serving.tool_parsers import PARSERS, ToolCallArgs, ToolCallStart, ToolParser, call_prefix
 
@@ -136,7 +136,7 @@ class ChatPrompt:
 @dataclass
 class Service:
     """What the API surfaces need: the engine, the tokenizer, and the serving settings."""
-    engine: Engine
+    engine: EngineThread
     tokenizer: object
     model_name: str
     tool_format: str | None         # "qwen" | "glm" | None (tool calls are not parsed)

@@ -24,9 +24,9 @@ from starlette.exceptions import HTTPException
 
 from zoo.serving import anthropic_api, openai_api
 from zoo.serving.chat import Service
-from zoo.serving.engine import Generator
+from zoo.serving.generator import Generator
 from zoo.serving.errors import ApiError
-from zoo.serving.jobs import Engine
+from zoo.serving.engine_thread import EngineThread
 from zoo.serving.metrics import CountRequests, Metrics
 from zoo.serving.tool_parsers import PARSERS, detect_format
 
@@ -80,7 +80,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
         raise ValueError(f"unknown tool format {tool_format!r}; use one of {sorted(PARSERS)}, 'auto' or None")
     generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget)
     metrics = Metrics()
-    engine = Engine(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
+    engine = EngineThread(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
     service = Service(engine, model.tokenizer, name, tool_format, context, default_max_tokens, keepalive_s,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from zoo.models.architectures import ARCHITECTURES
 from zoo.serving.reasoning import Text, partial_suffix
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -364,7 +365,6 @@ class GlmToolParser(ToolParser):
 
 
 PARSERS = {"qwen": QwenToolParser, "glm": GlmToolParser}
-ARCH_FORMATS = {"qwen35": "qwen", "glm5next": "glm"}
 
 
 def detect_format(arch: str | None, chat_template: str | None) -> str | None:
@@ -374,7 +374,8 @@ def detect_format(arch: str | None, chat_template: str | None) -> str | None:
         return "glm"
     if "<function=" in template or "<parameter=" in template:
         return "qwen"
-    return ARCH_FORMATS.get(arch or "")
+    known = ARCHITECTURES.get(arch or "")
+    return known.tool_format if known is not None else None
 
 
 def call_prefix(fmt: str, name: str | None = None) -> str:

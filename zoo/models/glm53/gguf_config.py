@@ -1,0 +1,73 @@
+"""GLM-5.3: llama.cpp ``glm5next`` / ``glm5-next`` GGUF metadata -> HF config.json fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zoo.models.shared.gguf_metadata import as_list, f32, one
+from zoo.sources.base import SourceError
+from zoo.sources.gguf import GGUFSource
+
+
+def hf_fields(src: GGUFSource) -> dict[str, Any]:
+    """``glm5next`` / ``glm5-next`` metadata -> HF ``glm5_next_text`` config fields.
+
+    Per-layer arrays cover the main layers and (where llama.cpp writes one) the MTP block: the mixer
+    of layer i is MLA iff ``attention.head_count_kv[i]`` is non-zero (KDA layers have no KV heads);
+    ``attention.indexer.types[i]`` is True for a "full" indexer; the SwiGLU clamp is one value.
+    """
+    v = src.arch_value
+    n_mtp = int(v("nextn_predict_layers", 0))
+    n_layers = int(v("block_count")) - n_mtp
+    kv_heads = v("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * n_layers
+    n_dense = int(v("leading_dense_block_count", 0))
+    clamp = {float(x) for x in as_list(v("swiglu_clamp_exp", [])) + as_list(v("swiglu_clamp_shexp", [])) if x}
+    if len(clamp) > 1:
+        raise SourceError(f"{src.files[0]}: swiglu_clamp_exp / _shexp differ between layers or experts "
+                          f"({sorted(clamp)}); the config needs one value")
+    md = src.metadata
+    return {
+        "model_type": "glm5_next_text",
+        "vocab_size": src.info("token_embd.weight").shape[0],
+        "hidden_size": int(v("embedding_length")),
+        "intermediate_size": int(v("feed_forward_length")),
+        "moe_intermediate_size": int(v("expert_feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": int(one(v("attention.head_count"), "attention.head_count")),
+        "layer_types": ["indexed_attention" if kv else "linear_attention" for kv in kv_heads[:n_layers]],
+        "mlp_layer_types": ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense),
+        "indexer_types": ["full" if t else "shared" for t in v("attention.indexer.types")[:n_layers]],
+        "n_routed_experts": int(v("expert_count")),
+        "n_shared_experts": int(v("expert_shared_count", 1)),
+        "num_experts_per_tok": int(v("expert_used_count")),
+        "n_group": int(v("expert_group_count", 1)),
+        "topk_group": int(v("expert_group_used_count", 1)),
+        "routed_scaling_factor": f32(v("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(v("expert_weights_norm", True)),
+        "swiglu_limit": clamp.pop() if clamp else None,
+        "q_lora_rank": int(v("attention.q_lora_rank")),
+        "kv_lora_rank": int(v("attention.kv_lora_rank")),
+        "qk_rope_head_dim": int(v("rope.dimension_count", 0)),
+        "qk_nope_head_dim": int(v("attention.key_length_mla")) - int(v("rope.dimension_count", 0)),
+        "v_head_dim": int(v("attention.value_length_mla")),
+        "index_topk": int(v("attention.indexer.top_k")),
+        "index_head_dim": int(v("attention.indexer.key_length")),
+        "index_n_heads": int(v("attention.indexer.head_count")),
+        "index_kpool": int(v("attention.indexer.kpool")),
+        "index_kpool_always_select_tail": bool(v("attention.indexer.kpool_select_tail", True)),
+        "linear_num_heads": int(one(v("attention.head_count"), "attention.head_count")),
+        "linear_head_dim": int(v("kda.head_dim")),
+        "linear_conv_kernel_dim": int(v("ssm.conv_kernel")),
+        "linear_lower_bound": v("kda.gate_lower_bound", None),
+        "hc_mult": int(v("hyper_connection.count")),
+        "hc_sinkhorn_iters": int(v("hyper_connection.sinkhorn_iterations")),
+        "hc_eps": f32(v("hyper_connection.epsilon")),
+        "rms_norm_eps": f32(v("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(v("context_length")),
+        "attention_bias": any(k.endswith(".attn_q_a.bias") for k in src.keys()),
+        "tie_word_embeddings": "output.weight" not in src,
+        "num_nextn_predict_layers": n_mtp,
+        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+    }

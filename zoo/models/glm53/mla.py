@@ -1,0 +1,235 @@
+"""Multi-head latent attention without rotary (GLM-5.3 NoPE MLA) and its sparse k-pool indexer.
+
+MLA, x [B, T, D] ->
+  q_resid = q_a_layernorm(q_a_proj(x))                  [B, T, q_lora]
+  q = q_b_proj(q_resid)                                 [B, T, H, dn]
+  c = kv_a_layernorm(kv_a_proj_with_mqa(x))             [B, T, C]     (the only thing cached)
+  kv_b: c -> per head [k_nope (dn) | v (dv)]; with no rotary part the attention is computed absorbed:
+  scores = (q W_k^T) . c * dn^-0.5 over the tokens the indexer selected; o = (softmax @ c) W_v
+  y = o_proj(o)                                          [B, T, D]
+
+Indexer ("full" layers; scores in true f32), for queries at position p:
+  qi = wq_b(q_resid) [B, T, Hi, di];  ki = k_norm(wk(x)) [B, T, di];  gi = compress_gate(x) [B, T, di]
+  pools: tokens (by position) 0..P-1, P..2P-1, ...; pool key = sum_s softmax_s(gi_s + ape_s) * ki_s
+  score(p, j) = sum_h w[p, h] * relu(qi[p, h] . poolkey_j * di^-0.5),  w = weights_proj(x) * Hi^-0.5
+  candidates: complete pools ending at or before p; keep the best index_topk / P of them, plus the
+  incomplete tail pool of p (tokens (p+1) - (p+1) % P .. p). The result is a token mask [B, T, L]
+  that "shared" layers reuse.
+
+Positions are token counts per row (padding excluded), so left padding does not shift the pools.
+Cache per MLA layer: ``{"latent": [B, L, C]}`` plus, on full-indexer layers, ``{"indexer": {"pool_k":
+[B, L/P, di] (one key per complete pool), "tail_k", "tail_gate": [B, P, di] (the incomplete pool)}}``.
+Which slot holds which position is shared by all layers (``Positions``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.models.qwen38.gated_attention import write_slots
+from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param, take_step
+from zoo.ops.matmul import einsum
+
+HIGHEST = jax.lax.Precision.HIGHEST
+F32_MIN = jnp.finfo(jnp.float32).min
+
+
+class Positions(NamedTuple):
+    """Where a call of T tokens sits, for every MLA layer (built once per forward).
+
+    write_at   [B]     first cache slot written by this call (tokens go to write_at .. write_at+T-1)
+    start      [B]     real tokens before this call (the position of its first real token)
+    count      [B]     real tokens in this call
+    query_pos  [B, T]  position of each token of the call; -1 for padding
+    key_pos    [B, L]  position of the token in each slot after this call's writes; -1 = empty
+    """
+
+    write_at: jax.Array
+    start: jax.Array
+    count: jax.Array
+    query_pos: jax.Array
+    key_pos: jax.Array
+
+
+def empty_positions(batch: int, length: int) -> dict:
+    """Bookkeeping for ``length`` slots: ``index [B]`` slots used, ``pos [B]`` real tokens seen,
+    ``key_pos [B, L]`` position held by each slot (-1 = empty)."""
+    return {"index": jnp.zeros((batch,), jnp.int32), "pos": jnp.zeros((batch,), jnp.int32),
+            "key_pos": jnp.full((batch, length), -1, jnp.int32)}
+
+
+def advance_positions(meta: dict, mask: jax.Array) -> tuple[Positions, dict]:
+    """Account for a call of T tokens (``mask [B, T]``, True = token); returns (Positions, new meta).
+
+    The caller guarantees ``index + T <= L``.
+    """
+    mask = mask.astype(bool)
+    count = mask.sum(axis=1, dtype=jnp.int32)
+    query_pos = jnp.where(mask, meta["pos"][:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, -1)
+    key_pos = write_slots(meta["key_pos"], query_pos, meta["index"])
+    positions = Positions(write_at=meta["index"], start=meta["pos"], count=count, query_pos=query_pos,
+                          key_pos=key_pos)
+    new_meta = {"index": meta["index"] + mask.shape[1], "pos": meta["pos"] + count, "key_pos": key_pos}
+    return positions, new_meta
+
+
+def rollback_positions(before: dict, after: dict, n_keep: jax.Array) -> dict:
+    """Bookkeeping after keeping only the first ``n_keep [B]`` tokens written since ``before`` (they
+    must be real tokens); later slots become empty (-1) and are overwritten by the next call."""
+    index = before["index"] + n_keep
+    slot_ids = jnp.arange(after["key_pos"].shape[1])
+    return {"index": index, "pos": before["pos"] + n_keep,
+            "key_pos": jnp.where(slot_ids[None, :] < index[:, None], after["key_pos"], -1)}
+
+
+class Indexer(nnx.Module):
+    """The k-pool indexer of one "full" layer: ``__call__ -> (token mask [B, T, L], cache)``."""
+
+    def __init__(self, cfg, *, dtype):
+        d, di = cfg.hidden_size, cfg.index_head_dim
+        self.n_heads, self.head_dim, self.pool = cfg.index_n_heads, di, cfg.index_kpool
+        self.pools_kept = cfg.index_topk // cfg.index_kpool
+        self.select_tail = cfg.index_kpool_always_select_tail
+        self.dtype = dtype
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * di, axes=("q_lora", "heads"), dtype=dtype)
+        self.wk = Linear(d, di, axes=("embed", "head_dim"), dtype=dtype)
+        self.k_norm = LayerNorm(di, eps=1e-6, dtype=dtype, axes=("head_dim",))
+        self.weights_proj = Linear(d, self.n_heads, axes=("embed", "heads"), dtype=dtype)
+        self.compress_gate = Linear(d, di, axes=("embed", "head_dim"), dtype=dtype)
+        self.compress_ape = param((self.pool, di), ("kpool", "head_dim"), dtype)
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        n_pools = -(-length // self.pool)
+        tail = jnp.zeros((batch, self.pool, self.head_dim), self.dtype)
+        return {"pool_k": jnp.zeros((batch, n_pools, self.head_dim), self.dtype), "tail_k": tail,
+                "tail_gate": tail}
+
+    def _update_pools(self, k: jax.Array, gate: jax.Array, pos: Positions, cache: dict,
+                      keep_steps: bool = False) -> dict:
+        """Pool the call's keys (k, gate [B, T, di]) with the cached tail: writes the key of every pool
+        completed by this call into ``pool_k`` and keeps the new incomplete pool as the tail.
+
+        ``keep_steps``: the tails are kept after every token (``[B, T, P, di]``): the tail after t
+        tokens is the window pool holding position start + t. Entries of rejected tokens beyond a
+        kept prefix sit at offsets the next call treats as empty; ``pool_k`` needs no rollback,
+        because a pool is only read once it is complete and is rewritten when it completes again."""
+        p = self.pool
+        b, t, di = k.shape
+        window = t // p + 2                                   # pools a call can touch, incl. the old tail
+        rows = jnp.arange(b)[:, None]
+        first = pos.start // p                                # [B] global index of window pool 0
+        tail_valid = jnp.arange(p)[None, :] < (pos.start % p)[:, None]
+        offsets = jnp.concatenate([jnp.broadcast_to(jnp.arange(p), (b, p)),
+                                   pos.query_pos - first[:, None] * p], axis=1)
+        valid = jnp.concatenate([tail_valid, pos.query_pos >= 0], axis=1)
+        offsets = jnp.where(valid, offsets, window * p)       # out of range: dropped by the scatters
+
+        def scatter(prev, new):
+            buf = jnp.zeros((b, window * p, di), self.dtype)
+            rows_in = jnp.concatenate([prev, new.astype(self.dtype)], axis=1)
+            return buf.at[rows, offsets].set(rows_in, mode="drop").reshape(b, window, p, di)
+
+        keys, gates = scatter(cache["tail_k"], k), scatter(cache["tail_gate"], gate)
+        filled = jnp.zeros((b, window * p), bool).at[rows, offsets].set(True, mode="drop").reshape(b, window, p)
+        logits = gates.astype(jnp.float32) + self.compress_ape[...].astype(jnp.float32)
+        probs = jax.nn.softmax(jnp.where(filled[..., None], logits, F32_MIN), axis=2)
+        pooled = jnp.sum(probs.astype(self.dtype) * keys, axis=2)                          # [B, W, di]
+        n_pools = cache["pool_k"].shape[1]
+        dest = jnp.where(filled.all(-1), first[:, None] + jnp.arange(window), n_pools)
+        pool_k = cache["pool_k"].at[rows, dest].set(pooled, mode="drop")
+        if keep_steps:
+            steps = (pos.start[:, None] + jnp.arange(1, t + 1)[None, :]) // p - first[:, None]   # [B, T]
+            return {"pool_k": pool_k, "tail_k": keys[rows, steps], "tail_gate": gates[rows, steps]}
+        last = (pos.start + pos.count) // p - first                                        # new tail
+        return {"pool_k": pool_k, "tail_k": keys[jnp.arange(b), last], "tail_gate": gates[jnp.arange(b), last]}
+
+    def __call__(self, x: jax.Array, q_resid: jax.Array, pos: Positions, cache: dict, keep_steps: bool = False):
+        """x [B, T, D], q_resid [B, T, q_lora] -> (token mask [B, T, L] bool, new indexer cache)."""
+        b, t, _ = x.shape
+        q = self.wq_b(q_resid).reshape(b, t, self.n_heads, self.head_dim)
+        cache = self._update_pools(self.k_norm(self.wk(x)), self.compress_gate(x), pos, cache, keep_steps)
+        pool_k = cache["pool_k"]
+        scores = jnp.einsum("bthd,bpd->bthp", q.astype(jnp.float32), pool_k.astype(jnp.float32),
+                            precision=HIGHEST)
+        scores = jax.nn.relu(scores * self.head_dim ** -0.5)
+        w = self.weights_proj(x).astype(jnp.float32) * self.n_heads ** -0.5
+        index = jnp.einsum("bth,bthp->btp", w, scores, precision=HIGHEST)                  # [B, T, NP]
+        n_pools = pool_k.shape[1]
+        candidate = jnp.arange(n_pools)[None, None, :] < ((pos.query_pos + 1) // self.pool)[..., None]
+        top = jax.lax.top_k(jnp.where(candidate, index, F32_MIN), min(self.pools_kept, n_pools))[1]
+        chosen = jnp.take_along_axis(candidate, top, axis=-1)
+        selected = jnp.zeros((b, t, n_pools), bool).at[
+            jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], top].set(chosen)
+        return self._token_mask(selected, pos), cache
+
+    def _token_mask(self, selected: jax.Array, pos: Positions) -> jax.Array:
+        """Selected pools [B, T, NP] (+ each query's tail pool) -> visible slots [B, T, L]."""
+        kp = pos.key_pos[:, None, :]                                                     # [B, 1, L]
+        qp = pos.query_pos[..., None]                                                    # [B, T, 1]
+        key_pool = jnp.broadcast_to(jnp.maximum(kp, 0) // self.pool, qp.shape[:2] + kp.shape[2:])
+        visible = jnp.take_along_axis(selected, key_pool, axis=2)
+        if self.select_tail:
+            visible = visible | (kp >= (qp + 1) - (qp + 1) % self.pool)
+        return visible & (kp >= 0) & (kp <= qp)
+
+
+class MultiLatentAttention(nnx.Module):
+    """NoPE MLA; ``indexer=True`` for "full" layers, else the caller passes the shared selection."""
+
+    def __init__(self, cfg, *, indexer: bool, dtype):
+        d, c = cfg.hidden_size, cfg.kv_lora_rank
+        self.n_heads, self.dn, self.dv, self.latent = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, c
+        self.dtype = dtype
+        bias = cfg.attention_bias
+        norm = dict(eps=cfg.rms_norm_eps, dtype=dtype, zero_centered=False)
+        self.q_a_proj = Linear(d, cfg.q_lora_rank, axes=("embed", "q_lora"), dtype=dtype, use_bias=bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, axes=("q_lora",), **norm)
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.dn, axes=("q_lora", "heads"), dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(d, c, axes=("embed", "kv_lora"), dtype=dtype, use_bias=bias)
+        self.kv_a_layernorm = RMSNorm(c, axes=("kv_lora",), **norm)
+        # Used absorbed (q W_k^T, then (p @ c) W_v), so stored as a plain [C, H*(dn+dv)] matrix.
+        self.kv_b = param((c, self.n_heads * (self.dn + self.dv)), ("kv_lora", "heads"), dtype)
+        self.o_proj = Linear(self.n_heads * self.dv, d, axes=("heads", "embed"), dtype=dtype, use_bias=bias)
+        self.indexer = Indexer(cfg, dtype=dtype) if indexer else None
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        cache = {"latent": jnp.zeros((batch, length, self.latent), self.dtype)}
+        if self.indexer is not None:
+            cache["indexer"] = self.indexer.init_cache(batch, length)
+        return cache
+
+    @staticmethod
+    def select_step(steps: dict, idx: jax.Array) -> dict:
+        """A ``keep_steps`` cache -> the cache after token ``idx[b]`` (only the indexer tails have steps)."""
+        if "indexer" not in steps:
+            return steps
+        ix = steps["indexer"]
+        return {**steps, "indexer": {**ix, "tail_k": take_step(ix["tail_k"], idx),
+                                     "tail_gate": take_step(ix["tail_gate"], idx)}}
+
+    def __call__(self, x: jax.Array, pos: Positions, cache: dict, selection: jax.Array | None,
+                 keep_steps: bool = False):
+        """x [B, T, D]; selection: the token mask [B, T, L] of the last full layer (shared layers).
+
+        Returns (y [B, T, D], new cache, the token mask this layer used).
+        """
+        b, t, _ = x.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).reshape(b, t, self.n_heads, self.dn)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        cache = {**cache, "latent": write_slots(cache["latent"], latent, pos.write_at)}
+        if self.indexer is not None:
+            selection, cache["indexer"] = self.indexer(x, q_resid, pos, cache["indexer"], keep_steps)
+        kv_b = self.kv_b[...].astype(x.dtype).reshape(self.latent, self.n_heads, self.dn + self.dv)
+        w_k, w_v = kv_b[..., :self.dn], kv_b[..., self.dn:]
+        c = cache["latent"]
+        q_latent = einsum("bthd,chd->bthc", q, w_k)
+        scores = einsum("bthc,blc->bthl", q_latent, c).astype(jnp.float32) * self.dn ** -0.5
+        scores = jnp.where(selection[:, :, None], scores, F32_MIN)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        o = einsum("bthc,chd->bthd", einsum("bthl,blc->bthc", probs, c), w_v)
+        return self.o_proj(o.reshape(b, t, self.n_heads * self.dv)), cache, selection

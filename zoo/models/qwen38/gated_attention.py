@@ -1,0 +1,138 @@
+"""Gated grouped-query attention with partial rotary (Qwen3.5/3.8 full-attention layers).
+
+x [B, T, D] ->
+  [q | gate] = q_proj(x) per head (2 * head_dim);  k = k_proj(x), v = v_proj(x)   [KVH heads]
+  q, k = q_norm(q), k_norm(k)  (zero-centred RMSNorm per head); rotary on the first rotary_dim dims
+  o = softmax(q k^T / sqrt(head_dim) + mask) v   (query head h reads kv head h // (H / KVH))
+  y = o_proj(o * sigmoid(gate))                                                     [B, T, D]
+
+The KV cache is a pair of slot buffers per layer, ``{"k", "v": [B, L, KVH, head_dim]}``; which
+slots hold real tokens, and where this call writes, are shared by all layers and passed in as a
+``Slots`` (built once per forward by the model).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.models.shared.layers import Linear, RMSNorm, apply_rotary
+from zoo.ops.matmul import einsum
+
+
+class Slots(NamedTuple):
+    """Where a forward of T tokens writes and what it may read, for every attention layer.
+
+    write_at   [B]     first slot written by this call (tokens go to write_at .. write_at+T-1)
+    key_valid  [B, L]  slot holds a real token (after this call's writes)
+    query_slot [B, T]  the slot of each query token (causality: a query reads slots <= its own)
+    cos, sin   [B, T, rotary_dim] rotary tables at the tokens' positions
+    """
+
+    write_at: jax.Array
+    key_valid: jax.Array
+    query_slot: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+
+
+def empty_slot_meta(batch: int, length: int) -> dict:
+    """Bookkeeping shared by a model's attention caches: ``index [B]`` slots written so far,
+    ``pos [B]`` real tokens seen so far (the next position), ``valid [B, L]`` slot holds a token."""
+    return {"index": jnp.zeros((batch,), jnp.int32), "pos": jnp.zeros((batch,), jnp.int32),
+            "valid": jnp.zeros((batch, length), bool)}
+
+
+def advance_slots(meta: dict, mask: jax.Array) -> tuple[dict, jax.Array, dict]:
+    """Account for a call of T tokens (``mask [B, T]``, 1 = token, 0 = padding).
+
+    Returns (fields for ``Slots`` without the rotary tables, positions ``[B, T]``, updated meta).
+    A padding token gets the position of the token before it (it is never attended to). The
+    caller guarantees ``index + T <= L`` (a full cache would overwrite its last slots).
+    """
+    t = mask.shape[1]
+    mask = mask.astype(bool)
+    write_at = meta["index"]
+    valid = write_slots(meta["valid"], mask, write_at)
+    query_slot = write_at[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = jnp.maximum(meta["pos"][:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+    new_meta = {"index": write_at + t, "pos": meta["pos"] + mask.sum(axis=1, dtype=jnp.int32),
+                "valid": valid}
+    return dict(write_at=write_at, key_valid=valid, query_slot=query_slot), positions, new_meta
+
+
+def rollback_slots(before: dict, after: dict, n_keep: jax.Array) -> dict:
+    """Slot bookkeeping after keeping only the first ``n_keep [B]`` tokens written since ``before``.
+
+    The kept tokens must be real (mask 1) and the prefix of what was written; later slots are
+    marked invalid and will be overwritten by the next call.
+    """
+    index = before["index"] + n_keep
+    slot_ids = jnp.arange(after["valid"].shape[1])
+    return {"index": index, "pos": before["pos"] + n_keep,
+            "valid": after["valid"] & (slot_ids[None, :] < index[:, None])}
+
+
+def write_slots(buf: jax.Array, new: jax.Array, write_at: jax.Array) -> jax.Array:
+    """Write ``new [B, T, ...]`` into ``buf [B, L, ...]`` at per-row slot ``write_at [B]``."""
+    def one(b, n, i):
+        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (i,) + (0,) * (b.ndim - 1))
+    return jax.vmap(one)(buf, new, write_at)
+
+
+def attention_mask(slots: Slots) -> jax.Array:
+    """[B, T, L] boolean: key slot is a real token and not after the query's slot."""
+    slot_ids = jnp.arange(slots.key_valid.shape[1])
+    return slots.key_valid[:, None, :] & (slot_ids[None, None, :] <= slots.query_slot[:, :, None])
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """q [B, T, H, Dk], k [B, L, G, Dk], v [B, L, G, Dv], mask [B, T, L] -> [B, T, H, Dv].
+
+    Softmax in float32; a query with no visible key (padding) gets a uniform average instead of NaN.
+    """
+    b, t, h, dk = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, t, g, h // g, dk)
+    scores = einsum("btgrd,bsgd->bgrts", qg, k.astype(q.dtype)).astype(jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = einsum("bgrts,bsgd->btgrd", probs, v.astype(q.dtype))
+    return out.reshape(b, t, h, v.shape[-1])
+
+
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg, *, dtype):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.dtype = dtype
+        bias = cfg.attention_bias
+        self.q_proj = Linear(d, self.n_heads * hd * 2, axes=("embed", "heads"), dtype=dtype, use_bias=bias)
+        self.k_proj = Linear(d, self.n_kv * hd, axes=("embed", "kv_heads"), dtype=dtype, use_bias=bias)
+        self.v_proj = Linear(d, self.n_kv * hd, axes=("embed", "kv_heads"), dtype=dtype, use_bias=bias)
+        self.o_proj = Linear(self.n_heads * hd, d, axes=("heads", "embed"), dtype=dtype, use_bias=bias)
+        norm = dict(eps=cfg.rms_norm_eps, dtype=dtype, zero_centered=True, axes=("head_dim",))
+        self.q_norm = RMSNorm(hd, **norm)
+        self.k_norm = RMSNorm(hd, **norm)
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        shape = (batch, length, self.n_kv, self.head_dim)
+        return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
+
+    def __call__(self, x: jax.Array, slots: Slots, cache: dict) -> tuple[jax.Array, dict]:
+        """x [B, T, D] -> (y [B, T, D], cache with this call's keys/values written)."""
+        b, t, _ = x.shape
+        q_gate = self.q_proj(x).reshape(b, t, self.n_heads, 2 * self.head_dim)
+        q, gate = q_gate[..., :self.head_dim], q_gate[..., self.head_dim:]
+        q = apply_rotary(self.q_norm(q), slots.cos, slots.sin)
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.n_kv, self.head_dim))
+        k = apply_rotary(k, slots.cos, slots.sin)
+        v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
+        cache = {"k": write_slots(cache["k"], k, slots.write_at),
+                 "v": write_slots(cache["v"], v, slots.write_at)}
+        o = grouped_attention(q, cache["k"], cache["v"], attention_mask(slots), self.head_dim ** -0.5)
+        o = o.reshape(b, t, self.n_heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(o), cache

@@ -1,0 +1,21 @@
+"""The recipes an architecture has: ``zoo.quant.recipes.GENERIC_RECIPES`` plus its own
+(``zoo.models.<arch>.recipes.RECIPES``, which win on a name clash)."""
+
+from __future__ import annotations
+
+from zoo.models.architectures import architecture
+from zoo.quant.recipes import GENERIC_RECIPES, Recipe
+
+
+def recipes_for(arch_id: str) -> dict[str, Recipe]:
+    return {**GENERIC_RECIPES, **architecture(arch_id).part("recipes")}
+
+
+def get_recipe(name, arch_id: str) -> Recipe:
+    """The recipe ``name`` of architecture ``arch_id``; ``ValueError`` listing that architecture's
+    recipes otherwise."""
+    known = recipes_for(arch_id)
+    if isinstance(name, str) and name in known:
+        return known[name]
+    raise ValueError(f"unknown quantization recipe {name!r}; known: {', '.join(sorted(known))} "
+                     f"(the recipes of {arch_id})")

@@ -1,0 +1,208 @@
+"""The engine thread and the bounded queue in front of it; each request is an async ``Job``.
+
+One thread runs ``Generator.run_forever`` and owns the device. HTTP handlers run on the asyncio
+loop: ``EngineThread.submit`` hands a request to the generator (or answers 429 when ``max_queue``
+requests already wait for a batch row); the engine's callbacks (engine thread) reach the job
+through ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``. A job is *admitted* when the
+engine gives it a batch row (its prefill starts); ``Job.admitted`` gives up after ``queue_timeout_s``
+with 503, so the wait limit counts queueing only, never prefill or compilation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from zoo.serving.errors import ApiError
+from zoo.serving.metrics import Metrics
+
+log = logging.getLogger("zoo.serve")
+TICK = object()     # ``Job.next``: nothing arrived within the tick
+
+
+class Job:
+    """One generation request as seen from the event loop."""
+
+    def __init__(self, engine: "EngineThread", loop: asyncio.AbstractEventLoop):
+        self.engine, self._loop = engine, loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._settled = asyncio.Event()     # admitted to a row, or finished while waiting
+        self.req = None                     # the engine's Request
+        self.admitted_to_row = False
+        self.received = 0                   # tokens received so far
+        self.finished = False               # the engine is done with it (or the engine failed)
+        self.error: str | None = None
+        self.reason = "cancelled"           # the finish reason if the server stops it (see ``cancel``)
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+
+    # engine thread -> loop
+    def on_admit(self, req) -> None:
+        self._call(self._admit)
+
+    def on_tokens(self, req, tokens: list[int]) -> None:
+        self._call(self._arrive, list(tokens))
+
+    def on_finish(self, req) -> None:
+        self._call(self._arrive, None)
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:                # the loop is closed: the server is shutting down
+            pass
+
+    def _admit(self) -> None:
+        if not self.finished and not self.admitted_to_row:
+            self.admitted_to_row = True
+            self._settled.set()
+            self.engine._on_admitted(self)
+
+    def _arrive(self, item) -> None:
+        if self.finished:                   # cancelled here; the engine has not seen it yet
+            return
+        if item is not None and self.t_first is None:
+            self.t_first = time.perf_counter()
+            self.engine._on_first_token(self)
+        self._settled.set()
+        self._queue.put_nowait(item)
+
+    # loop side
+    async def admitted(self) -> None:
+        """Wait for a batch row; 503 (and cancel) after the engine's queue timeout."""
+        try:
+            await asyncio.wait_for(self._settled.wait(), self.engine.queue_timeout_s)
+        except TimeoutError:
+            self.cancel()
+            raise ApiError(503, f"the server is busy: the request waited {self.engine.queue_timeout_s:g}s "
+                                "for a slot", code="overloaded", headers={"Retry-After": "5"}) from None
+
+    async def next(self, tick: float):
+        """The tokens that arrived since the last call (waiting up to ``tick`` s) and whether the
+        request is finished: ``(tokens, done)``, or ``TICK`` when nothing arrived."""
+        try:
+            item = await asyncio.wait_for(self._queue.get(), tick)
+        except TimeoutError:
+            return TICK
+        tokens, done = [], False
+        while True:
+            if item is None:
+                done = True
+            else:
+                tokens += item
+            if self._queue.empty():
+                break
+            item = self._queue.get_nowait()
+        self.received += len(tokens)
+        if done:
+            self._done()
+        return tokens, done
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the request (client gone, stop string seen, queue timeout); frees its batch row."""
+        if not self.finished:
+            self.reason = reason
+            self.engine.generator.cancel(self.req)
+            self._done()
+
+    def _done(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._on_finished(self)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.req.finish_reason or self.reason
+
+
+class EngineThread:
+    """The generator's thread, the admission limit, and the metrics of the requests."""
+
+    def __init__(self, generator, metrics: Metrics, *, max_queue: int = 64, queue_timeout_s: float = 60.0):
+        self.generator, self.metrics = generator, metrics
+        self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
+        self.error: str | None = None
+        self._jobs: set[Job] = set()
+        self._waiting = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="zoo-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            self.generator.cancel(job.req)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.generator.run_forever(self._stop)
+        except BaseException as e:          # the device state is unknown now: fail every request
+            log.exception("the engine thread failed")
+            self.error = f"the engine failed: {type(e).__name__}: {e}"
+            with self._lock:
+                jobs = list(self._jobs)
+            for job in jobs:
+                job.error = self.error
+                job._post(None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+               seed: int, thinking_budget: int | None = None, thinking_opened: bool = False) -> Job:
+        """Queue a request (call from the event loop); 429 when the queue is full, 503 if the engine died."""
+        if not self.alive:
+            raise ApiError(503, self.error or "the engine is not running", code="engine_down")
+        if self._waiting >= self.max_queue:
+            raise ApiError(429, f"too many requests waiting ({self._waiting}); retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+        job = Job(self, asyncio.get_running_loop())
+        job.req = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                              top_p=top_p, top_k=top_k, seed=seed, on_tokens=job.on_tokens,
+                                              on_finish=job.on_finish, on_admit=job.on_admit,
+                                              thinking_budget=thinking_budget, thinking_opened=thinking_opened)
+        with self._lock:
+            self._jobs.add(job)
+        self._waiting += 1
+        self.metrics.queue_depth.set(self._waiting)
+        self.generator.submit(job.req)
+        return job
+
+    def _on_admitted(self, job: Job) -> None:
+        self._waiting -= 1
+        self.metrics.queue_depth.set(self._waiting)
+        self.metrics.running.inc()
+        self.metrics.prompt_tokens.inc(len(job.req.prompt))
+
+    def _on_first_token(self, job: Job) -> None:
+        self.metrics.ttft.observe(job.t_first - job.t_submit)
+
+    def _on_finished(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.discard(job)
+        if job.admitted_to_row:
+            self.metrics.running.dec()
+        else:
+            self._waiting -= 1
+            self.metrics.queue_depth.set(self._waiting)
+        if job.t_first is not None:
+            elapsed = time.perf_counter() - job.t_first
+            if job.received > 1 and elapsed > 0:
+                self.metrics.decode_rate.observe((job.received - 1) / elapsed)
+        stats = job.req.stats
+        self.metrics.requests.labels(job.finish_reason).inc()
+        self.metrics.generation_tokens.inc(job.received)
+        self.metrics.drafted.inc(stats.get("drafted", 0))
+        self.metrics.accepted.inc(stats.get("accepted", 0))

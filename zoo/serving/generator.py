@@ -1,0 +1,439 @@
+"""Generator: continuous batching over a loaded model, plain or MTP-speculative decoding.
+
+Requests join and leave between steps. Device state is one *batch* pytree whose leaves all lead
+with the row axis ``[B, ...]``::
+
+    cache   the model's cache for B rows and L token slots (KV slots + recurrent states)
+    carry   plain: {"tok": [B]} the last sampled token, not yet fed to the model
+            spec:  {"h": [B, k+1, D], "tok": [B, k+1], "n": [B]} pending MTP rows
+    params  per-row sampling parameters and PRNG state: temperature, top_k, top_p, seed, step
+
+A step is ONE compiled program for the whole model (``_plain_step`` / ``speculative.spec_step``);
+the cache is donated. A new request is prefilled alone (chunks of at most ``PREFILL_CHUNK`` tokens,
+left-padded to a power-of-two bucket: a few bounded compilations) into a cache of the batch's
+length, then inserted into a free row. The batch grows (rows doubling from ``MIN_ROWS`` up to ``max_batch``,
+slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_budget`` allows;
+otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
+
+Forced tokens: a request may have ids queued in ``Request.forcing`` (a thinking budget closing the
+reasoning, ``zoo.serving.thinking``); each step then emits the next of them for that row instead of
+sampling (speculative rows reject their drafts that step), and the model continues from it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zoo.sharding.mesh import on_mesh
+from zoo.sharding.cache_axes import cache_shardings, shard_cache
+from zoo.serving import speculative
+from zoo.serving.sampling import sample
+from zoo.serving.thinking import ThinkingBudget
+
+PREFILL_CHUNK = 1024
+PREFILL_MIN = 16
+CACHE_BUCKET = 256
+MIN_ROWS = 4          # the batch starts with this many rows (fewer compilations as streams join)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    finish_reason: str                     # "stop", "length", "cancelled" or "error" (see stats["error"])
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request; the engine fills ``tokens``/``finish_reason``/``stats``."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_ids: frozenset = frozenset()
+    stop_strings: tuple = ()
+    on_tokens: Callable[["Request", list[int]], None] | None = None   # called from the engine thread
+    on_finish: Callable[["Request"], None] | None = None   # called once from the engine thread, after done
+    on_admit: Callable[["Request"], None] | None = None    # engine thread: it got a row, its prefill starts
+    thinking: ThinkingBudget | None = None                  # closes the reasoning after a budget of tokens
+    forcing: collections.deque = field(default_factory=collections.deque)   # ids the next steps emit
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def result(self) -> Generation:
+        return Generation(list(self.tokens), self.finish_reason or "length", dict(self.stats))
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _bucket(n: int) -> int:
+    """Power-of-two prefill bucket, at least PREFILL_MIN."""
+    return max(PREFILL_MIN, 1 << (n - 1).bit_length())
+
+
+def default_memory_budget() -> int:
+    """Bytes the caches may use: 80% of the free accelerator memory, or a quarter of host RAM."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _embed(old, new):
+    """Copy every leaf of ``old`` into the leading corner of the same leaf of ``new``."""
+    return jax.tree.map(lambda o, n: n.at[tuple(slice(0, d) for d in o.shape)].set(o.astype(n.dtype)), old, new)
+
+
+def _row_keys(params: dict) -> jax.Array:
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params["seed"], params["step"])
+
+
+def _first_token(logits: jax.Array, params: dict) -> jax.Array:
+    """The token sampled from the prefill's last logits (PRNG step 0)."""
+    keys = _row_keys({**params, "step": jnp.zeros_like(params["step"])})
+    return sample(logits, keys, params["temperature"], params["top_k"], params["top_p"])
+
+
+class Generator:
+    """Continuous-batching engine over ``model`` (a ``zoo.Model``); ``spec_tokens`` k > 0 drafts k
+    tokens per step with the model's MTP head."""
+
+    def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, memory_budget: int | None = None):
+        if spec_tokens and getattr(model.module, "mtp", None) is None:
+            raise ValueError("speculative decoding needs an MTP layer; this model has none")
+        self.model = model
+        self.k = int(spec_tokens)
+        self.max_batch = max_batch
+        self.memory_budget = memory_budget or default_memory_budget()
+        self._graphdef, self._state = nnx.split(model.module)
+        eos = set(getattr(model.config, "eos_token_id", ()) or ())
+        if model.tokenizer is not None:
+            eos |= set(model.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._rows: list[Request | None] = []
+        self._batch = None
+        self._B = self._L = 0
+        self._cache_bytes: dict[tuple[int, int], int] = {}
+        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(5,))
+        self._insert_fn = jax.jit(lambda batch, row, r: jax.tree.map(
+            lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row),
+            donate_argnums=(0,))
+        self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
+        self._grow_fn = jax.jit(_embed, donate_argnums=(1,))
+        self._first_fn = jax.jit(_first_token)     # eager sampling would recompile its cond per request
+        for name in ("_step_fn", "_prefill_fn", "_insert_fn", "_empty_fn", "_grow_fn", "_first_fn"):
+            setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
+
+    # -- device programs ----------------------------------------------------------------------
+    def _empty_impl(self, rows: int, length: int) -> dict:
+        model = nnx.merge(self._graphdef, self._state)
+        cache = shard_cache(model.init_cache(rows, length))
+        if not self.k:
+            cache.pop("mtp", None)
+        d = model.config.hidden_size
+        carry = ({"h": jnp.zeros((rows, self.k + 1, d), model.dtype), "tok": jnp.zeros((rows, self.k + 1), jnp.int32),
+                  "n": jnp.ones((rows,), jnp.int32)} if self.k else {"tok": jnp.zeros((rows,), jnp.int32)})
+        params = {"temperature": jnp.zeros((rows,), jnp.float32), "top_k": jnp.zeros((rows,), jnp.int32),
+                  "top_p": jnp.ones((rows,), jnp.float32), "seed": jnp.zeros((rows,), jnp.uint32),
+                  "step": jnp.zeros((rows,), jnp.int32)}
+        return {"cache": cache, "carry": carry, "params": params}
+
+    def _prefill_impl(self, state, ids, mask, next_ids, next_mask, cache):
+        """One prompt chunk [1, C]; with spec, also the MTP rows (h_t, x_{t+1}) of the chunk."""
+        model = nnx.merge(self._graphdef, state)
+        logits, hidden, cache = model(ids, mask, cache)
+        if self.k:
+            _, _, cache = model.mtp_forward(hidden, next_ids, next_mask, cache)
+        return logits[:, -1], hidden[:, -1], shard_cache(cache)
+
+    def _step_impl(self, state, batch, active, force, cap):
+        """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
+        ``cap`` [B] int32: the most tokens a speculative row may emit this step."""
+        model = nnx.merge(self._graphdef, state)
+        cache, carry, params = batch["cache"], batch["carry"], batch["params"]
+        keys = _row_keys(params)
+        if self.k:
+            cache, carry, tokens, n = speculative.spec_step(model, cache, carry, active, keys, params, self.k,
+                                                            force, cap)
+        else:
+            tok = carry["tok"]
+            logits, _, cache = model(tok[:, None], active[:, None], cache)
+            new = sample(logits[:, 0], keys, params["temperature"], params["top_k"], params["top_p"])
+            new = jnp.where(force >= 0, force, new)
+            carry = {"tok": jnp.where(active, new, tok)}
+            tokens, n = new[:, None], active.astype(jnp.int32)
+        params = {**params, "step": params["step"] + active.astype(jnp.int32)}
+        return {"cache": shard_cache(cache), "carry": carry, "params": params}, tokens, n
+
+    # -- admission ----------------------------------------------------------------------------
+    def cache_bytes(self, rows: int, length: int) -> int:
+        """Bytes of the batch state (cache, carry, params) for ``rows`` x ``length`` slots on one
+        device: on a mesh, each cache leaf counts with its shard shape (the memory budget is one
+        device's), the small carry and params as replicated."""
+        if (rows, length) not in self._cache_bytes:
+            shapes = jax.eval_shape(lambda: self._empty_impl(rows, length))
+            mesh = getattr(self.model, "mesh", None)
+            cache = jax.tree.leaves(shapes["cache"])
+            if mesh is None:
+                shard_shapes = [x.shape for x in cache]
+            else:
+                shardings = jax.tree.leaves(cache_shardings(shapes["cache"], mesh))
+                shard_shapes = [s.shard_shape(x.shape) for x, s in zip(cache, shardings)]
+            rest = jax.tree.leaves({k: v for k, v in shapes.items() if k != "cache"})
+            self._cache_bytes[rows, length] = (
+                sum(int(np.prod(shape)) * x.dtype.itemsize for x, shape in zip(cache, shard_shapes))
+                + sum(x.size * x.dtype.itemsize for x in rest))
+        return self._cache_bytes[rows, length]
+
+    def _need(self, req: Request) -> int:
+        """Token slots a request occupies: its padded prompt, its new tokens, the verify overshoot."""
+        n = len(req.prompt)
+        padded = _round_up(n, PREFILL_CHUNK) if n > PREFILL_CHUNK else _bucket(n)
+        return padded + req.max_new_tokens + self.k + 1
+
+    def _try_admit(self, req: Request) -> bool:
+        free = [i for i, r in enumerate(self._rows) if r is None]
+        rows = self._B if free else min(max(MIN_ROWS, 2 * self._B), self.max_batch)
+        length = max(self._L, _round_up(self._need(req), CACHE_BUCKET))
+        if not free and rows == self._B:
+            return False
+        if self.cache_bytes(rows, length) > self.memory_budget:
+            if any(self._rows):
+                return False
+            raise MemoryError(f"request needs {self.cache_bytes(1, length)} bytes of cache for "
+                              f"{length} slots; the budget is {self.memory_budget}")
+        if (rows, length) != (self._B, self._L):
+            empty = self._empty_fn(rows, length)
+            self._batch = empty if self._batch is None else self._grow_fn(self._batch, empty)
+            self._rows += [None] * (rows - self._B)
+            self._B, self._L = rows, length
+        r = self._rows.index(None)
+        self._rows[r] = req
+        if req.on_admit is not None:
+            req.on_admit(req)
+        self._prefill_into(req, r)
+        return True
+
+    def _prefill_into(self, req: Request, r: int) -> None:
+        t0 = time.perf_counter()
+        n = len(req.prompt)
+        total = _round_up(n, PREFILL_CHUNK) if n > PREFILL_CHUNK else _bucket(n)
+        ids = np.zeros((1, total + 1), np.int32)
+        mask = np.zeros((1, total + 1), bool)
+        ids[0, total - n:total], mask[0, total - n:total] = req.prompt, True
+        row = self._empty_fn(1, self._L)
+        cache = row["cache"]
+        for c in range(0, total, min(total, PREFILL_CHUNK)):
+            sl = slice(c, c + min(total, PREFILL_CHUNK))
+            nxt = slice(sl.start + 1, sl.stop + 1)
+            logits, h_last, cache = self._prefill_fn(self._state, ids[:, sl], mask[:, sl], ids[:, nxt],
+                                                     mask[:, sl] & mask[:, nxt], cache)
+        params = {"temperature": jnp.float32([req.temperature]), "top_k": jnp.int32([req.top_k]),
+                  "top_p": jnp.float32([req.top_p]), "seed": jnp.uint32([req.seed & 0xFFFFFFFF]),
+                  "step": jnp.int32([1])}
+        first = self._first_fn(logits, params)
+        if self.k:
+            h = jnp.zeros((1, self.k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+            tok = jnp.zeros((1, self.k + 1), jnp.int32).at[:, 0].set(first)
+            carry = {"h": h, "tok": tok, "n": jnp.ones((1,), jnp.int32)}
+        else:
+            carry = {"tok": first}
+        self._batch = self._insert_fn(self._batch, {"cache": cache, "carry": carry, "params": params}, r)
+        req.stats.update(prompt_tokens=n, drafted=0, accepted=0, accepted_by_position=[0] * self.k,
+                         steps=0, time_to_first_token=time.perf_counter() - t0)
+        self._deliver(req, [int(first[0])])
+
+    # -- stepping -----------------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        if not req.prompt:
+            raise ValueError("a request needs at least one prompt token")
+        if req.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        req.stats.setdefault("submitted", time.perf_counter())
+        with self._lock:
+            self._waiting.append(req)
+        self._wakeup.set()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Ask the engine to stop ``req`` (thread-safe); it finishes as "cancelled" at the next step
+        and its row is freed."""
+        req.cancelled = True
+        self._wakeup.set()
+
+    def run_forever(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """The engine thread's loop: step while there is work, sleep until a submit otherwise."""
+        while not stop.is_set():
+            if not self.step():
+                self._wakeup.wait(idle_wait)
+                self._wakeup.clear()
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(self._rows)
+
+    def step(self) -> bool:
+        """Admit waiting requests, then run one decode step for every active row. False if idle."""
+        for r, req in enumerate(self._rows):
+            if req is not None and req.cancelled:
+                self._finish(req, "cancelled")
+        while self._waiting:
+            with self._lock:
+                req = self._waiting[0]
+            if req.cancelled:
+                self._finish(self._waiting.popleft(), "cancelled")
+                continue
+            try:
+                admitted = self._try_admit(req)
+            except MemoryError as e:               # can never fit: fail this request, not the engine
+                req.stats["error"] = str(e)
+                with self._lock:
+                    self._waiting.popleft()
+                self._finish(req, "error")
+                continue
+            if not admitted:
+                break
+            with self._lock:
+                self._waiting.popleft()
+        active = np.array([r is not None for r in self._rows], bool)
+        if not active.any():
+            return bool(self._waiting)
+        force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
+        cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
+        self._batch, tokens, counts = self._step_fn(self._state, self._batch, jnp.asarray(active),
+                                                    jnp.asarray(force), jnp.asarray(cap))
+        tokens, counts = np.asarray(tokens), np.asarray(counts)
+        for r, req in enumerate(self._rows):
+            if req is None:
+                continue
+            n = int(counts[r])
+            req.stats["steps"] += 1
+            if force[r] >= 0:
+                req.forcing.popleft()
+                req.stats["forced"] = req.stats.get("forced", 0) + 1
+            elif self.k:
+                req.stats["drafted"] += self.k
+                req.stats["accepted"] += n - 1
+                for i in range(n - 1):
+                    req.stats["accepted_by_position"][i] += 1
+            self._deliver(req, tokens[r, :n].tolist())
+        return True
+
+    def _room(self, req: Request) -> int:
+        """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""
+        room = min(self.k + 1, req.max_new_tokens - len(req.tokens))
+        thinking = None if req.thinking is None else req.thinking.room()
+        return max(1, room if thinking is None else min(room, thinking))
+
+    def _deliver(self, req: Request, new: list[int]) -> None:
+        """Append sampled tokens, applying stop ids, stop strings and the length limit."""
+        if req.finish_reason is not None:
+            return
+        accepted = []
+        for tok in new:
+            if tok in req.stop_ids:
+                self._emit(req, accepted)
+                return self._finish(req, "stop")
+            accepted.append(tok)
+            if len(req.tokens) + len(accepted) >= req.max_new_tokens:
+                break
+        self._emit(req, accepted)
+        if req.thinking is not None:
+            req.forcing.extend(req.thinking.observe(accepted))
+        if req.stop_strings and self._cut_at_stop_string(req):
+            return self._finish(req, "stop")
+        if len(req.tokens) >= req.max_new_tokens:
+            self._finish(req, "length")
+
+    def _emit(self, req: Request, tokens: list[int]) -> None:
+        if tokens:
+            req.tokens.extend(tokens)
+            if req.on_tokens is not None:
+                req.on_tokens(req, tokens)
+
+    def _cut_at_stop_string(self, req: Request) -> bool:
+        tok = self.model.tokenizer
+        text = tok.decode(req.tokens)
+        hits = [text.find(s) for s in req.stop_strings if s in text]
+        if not hits:
+            return False
+        cut = min(hits)
+        while req.tokens and len(tok.decode(req.tokens)) > cut:
+            req.tokens.pop()
+        return True
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        if req in self._rows:
+            self._rows[self._rows.index(req)] = None
+        now = time.perf_counter()
+        req.stats.update(generated_tokens=len(req.tokens), seconds=now - req.stats.get("submitted", now))
+        first = not req.done.is_set()
+        req.done.set()
+        if first and req.on_finish is not None:
+            req.on_finish(req)
+
+    # -- Python API ---------------------------------------------------------------------------
+    def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
+                     top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None,
+                     thinking_budget: int | None = None, thinking_opened: bool = False) -> Request:
+        """``thinking_budget``: reasoning tokens after which ``</think>`` is forced (see
+        ``zoo.serving.thinking``); ``thinking_opened``: the prompt ends inside ``<think>``."""
+        stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
+        strings = tuple(s for s in stop if isinstance(s, str))
+        if strings and self.model.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        ids = frozenset(int(s) for s in stop if not isinstance(s, str)) | self.eos_token_ids
+        thinking = None if thinking_budget is None else self.thinking_budget(thinking_budget, thinking_opened)
+        return Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
+                       int(top_k), int(seed), ids, strings, on_tokens, on_finish, on_admit, thinking)
+
+    def thinking_budget(self, budget: int, opened: bool = False) -> ThinkingBudget:
+        """A ``ThinkingBudget`` with this model's ``<think>`` / ``</think>`` token ids."""
+        tok = self.model.tokenizer
+        if tok is None:
+            raise ValueError("a thinking budget needs a tokenizer; this model has none")
+        return ThinkingBudget(int(budget), open=tuple(tok.encode("<think>")), close=tuple(tok.encode("</think>")),
+                              insert=tuple(tok.encode("\n</think>\n\n")), opened=opened)
+
+    def generate(self, input_ids, **kwargs) -> list[Generation]:
+        reqs = [self.submit(self.make_request(p, **kwargs)) for p in input_ids]
+        if not reqs:
+            raise ValueError("no prompts given")
+        while not all(r.done.is_set() for r in reqs):
+            self.step()
+        return [r.result() for r in reqs]
+
+    def stream(self, prompt: Sequence[int], **kwargs) -> Iterator[int]:
+        out: collections.deque[int] = collections.deque()
+        req = self.submit(self.make_request(prompt, on_tokens=lambda _, toks: out.extend(toks), **kwargs))
+        try:
+            while not req.done.is_set() or out:
+                while out:
+                    yield out.popleft()
+                if not req.done.is_set():
+                    self.step()
+        finally:
+            self.cancel(req)

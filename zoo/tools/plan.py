@@ -1,0 +1,189 @@
+"""Memory planner: bytes per tensor, per tensor class and per device, from a config and a recipe
+alone (no download), or from a GGUF header.
+
+    plan(name, quant=..., devices=8, layout="tp") -> Plan   a registry name: its preset + a recipe
+    plan_config(cfg, recipe, devices) -> Plan    any config (e.g. a test-local one)
+    plan_gguf(path, devices) -> Plan             a GGUF's header (local, hf:// or https://): its tensors as stored
+
+The tensor inventory of an architecture is written in llama.cpp's GGUF names and numpy-order
+shapes (matrices ``[out, in]``, expert banks ``[E, out, in]``); the tests check it against real
+GGUF files. Each tensor gets a storage kind from the recipe (``zoo.quant.recipes``) and its bytes:
+
+* a ggml type: the GGUF payload (``zoo.formats.ggml.tensor_nbytes``);
+* ``"FP8"``: one byte per weight plus an f32 scale per 128x128 block (per expert for banks);
+* ``"INT8"``: one byte per weight plus an f32 scale per output channel (``zoo.quant.int8``).
+
+Per device (``devices`` chips in a ``zoo.sharding.mesh`` layout, "tp" or "ep"): every tensor is split as
+``zoo.load(..., mesh=...)`` places it (``zoo.sharding.device_plan``): in "tp" the routed-expert banks
+are split as REFERENCE.md section 4 describes (gate/up by output rows, down by input blocks; every
+chip holds a slice of every expert), in "ep" by expert over ``ep`` and by width over ``tp``; a
+quantized bank is counted in the plane layout of one device's slice (``plane_nbytes``, which adds
+the packing padding of the f16/u16 fields); what the layout does not split is replicated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from zoo.models.architectures import architecture
+from zoo.models.shared.inventory import Tensor
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType, tensor_nbytes
+from zoo.sharding.device_plan import per_device_bytes, plan_mesh
+from zoo.models.recipes import get_recipe
+from zoo.quant.recipes import Recipe
+
+FP8_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    tensor: Tensor
+    kind: str
+    nbytes: int
+    per_device_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    recipe: str
+    devices: int
+    tensors: tuple[TensorPlan, ...]
+    layout: str = "tp"
+
+    @property
+    def by_class(self) -> dict[str, int]:
+        """Stored bytes per tensor class (``routed_experts``, ``attention``, ``mlp``, ...)."""
+        out: Counter = Counter()
+        for t in self.tensors:
+            out[t.tensor.cls] += t.nbytes
+        return dict(out)
+
+    @property
+    def by_kind(self) -> dict[str, int]:
+        out: Counter = Counter()
+        for t in self.tensors:
+            out[t.kind] += t.nbytes
+        return dict(out)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def per_device_bytes(self) -> int:
+        """Bytes every device holds (planes of its expert slices + its share of the rest)."""
+        return sum(t.per_device_bytes for t in self.tensors)
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether the weights fit ``budget_bytes`` per device (caches and activations not counted)."""
+        return self.per_device_bytes <= budget_bytes
+
+    def to_dict(self, budget_bytes: int | None = None) -> dict:
+        """The plan as JSON-ready data (with ``fits`` when a budget is given)."""
+        out = {"model": self.model, "recipe": self.recipe, "devices": self.devices, "layout": self.layout,
+               "total_bytes": self.total_bytes, "per_device_bytes": self.per_device_bytes,
+               "by_class": self.by_class, "by_kind": self.by_kind,
+               "tensors": [{"name": t.tensor.name, "shape": list(t.tensor.shape), "class": t.tensor.cls,
+                            "kind": t.kind, "bytes": t.nbytes, "per_device_bytes": t.per_device_bytes}
+                           for t in self.tensors]}
+        if budget_bytes is not None:
+            out.update(budget_bytes=budget_bytes, fits=self.fits(budget_bytes))
+        return out
+
+    def summary(self) -> str:
+        rows = [f"{self.model} / {self.recipe} on {self.devices} device(s), layout {self.layout}"]
+        rows += [f"  {cls:18s} {n / 1e9:10.3f} GB" for cls, n in sorted(self.by_class.items())]
+        rows.append(f"  {'total':18s} {self.total_bytes / 1e9:10.3f} GB, "
+                    f"{self.per_device_bytes / 1e9:.3f} GB per device")
+        return "\n".join(rows)
+
+
+# --- bytes ----------------------------------------------------------------------------------------
+
+
+def _kind(t: Tensor, recipe: Recipe) -> str:
+    key = f"{t.cls}:{t.name}"
+    kind = next((k for pattern, k in recipe.plan if re.match(pattern, key)), recipe.fallback)
+    if kind in QType.__members__ and BLOCK_LAYOUTS[QType[kind]].block_size > 1:
+        if not t.matmul or t.shape[-1] % BLOCK_LAYOUTS[QType[kind]].block_size:
+            return recipe.fallback
+    if kind in ("FP8", "INT8") and not t.matmul:
+        return recipe.fallback
+    return kind
+
+
+def _nbytes(shape: tuple[int, ...], kind: str) -> int:
+    if kind == "FP8":
+        *lead, rows, cols = shape
+        scales = math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK) * 4
+        return math.prod(lead) * (rows * cols + scales)
+    if kind == "INT8":                                   # int8 weights + an f32 scale per output channel
+        *lead, rows, cols = shape
+        return math.prod(lead) * rows * (cols + 4)
+    return tensor_nbytes(QType[kind], shape)
+
+
+def _mesh(devices: int, layout: str):
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    return plan_mesh(layout, devices)
+
+
+def plan_config(cfg, recipe: str | Recipe, devices: int = 8, model: str | None = None, layout: str = "tp") -> Plan:
+    """The plan of ``cfg`` (a config object with ``arch``) under ``recipe`` on ``devices`` chips."""
+    recipe = get_recipe(recipe, cfg.arch) if isinstance(recipe, str) else recipe
+    if recipe.plan is None:
+        raise ValueError(f"recipe {recipe.name!r} of {cfg.arch} is a whole GGUF whose per-tensor types are the "
+                         f"file's: plan it from the file's header (zoo plan FILE.gguf, zoo.tools.plan.plan_gguf)")
+    mesh = _mesh(devices, layout)
+    inventory = architecture(cfg.arch).part("inventory")(cfg)
+    tensors = []
+    for t in inventory:
+        kind = _kind(t, recipe)
+        nbytes = _nbytes(t.shape, kind)
+        tensors.append(TensorPlan(t, kind, nbytes, per_device_bytes(t.name, t.shape, kind, nbytes, mesh)))
+    return Plan(model or cfg.arch, recipe.name, devices, tuple(tensors), layout)
+
+
+def plan_gguf(path, devices: int = 8, quant: str | None = None, layout: str = "tp") -> Plan:
+    """The plan of a GGUF file (or split set) from its header alone: every tensor as stored (its own
+    ggml type and bytes; ``quant=None``), or the file's model under a recipe. Classes come from the
+    architecture's inventory; a tensor it does not list is class ``"other"``."""
+    from pathlib import Path
+
+    from zoo.sources.gguf import GGUFSource
+    from zoo.loader.gguf_model import config_from_gguf
+
+    src = GGUFSource(path)
+    cfg = config_from_gguf(src)
+    name = Path(src.files[0]).name
+    if quant is not None:
+        return plan_config(cfg, quant, devices, name, layout)
+    mesh = _mesh(devices, layout)
+    known = {t.name: t for t in architecture(cfg.arch).part("inventory")(cfg)}
+    tensors = []
+    for key in src.keys():
+        info = src.info(key)
+        listed = known.get(key)
+        t = Tensor(key, info.shape, listed.cls if listed else "other",
+                   listed.matmul if listed else len(info.shape) >= 2)
+        tensors.append(TensorPlan(t, info.qtype.name, info.nbytes,
+                                  per_device_bytes(key, info.shape, info.qtype.name, info.nbytes, mesh)))
+    return Plan(name, "as stored", devices, tuple(tensors), layout)
+
+
+def plan(name: str, *, quant: str, devices: int = 8, layout: str = "tp") -> Plan:
+    """``zoo.plan``: the plan of a registry model's config preset (``configs/``) under a recipe."""
+    from zoo import registry
+    from zoo.models.config import config_from_hf
+
+    spec = registry.get_spec(name)
+    if spec.preset is None:
+        raise ValueError(f"model {name!r} has no config preset to plan from")
+    path = registry.preset_path(spec.preset)
+    return plan_config(config_from_hf(json.loads(path.read_text()), source=str(path)), quant, devices, name, layout)
