@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 
 import zoo
-from tests.gguf_files import metadata_of, write_gguf
+from tests.support.gguf_files import metadata_of, write_gguf
 from zoo.sources.gguf import GGUFSource
 
 FIXTURE = Path(__file__).parents[1] / "tests" / "data" / "glm53-q256-udmix.gguf"

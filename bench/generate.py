@@ -17,7 +17,7 @@ import time
 import jax
 
 import zoo
-from tests.helpers import bigram_variant
+from tests.support.helpers import bigram_variant
 from zoo.api import Model
 from zoo.serving.generator import Generator
 

@@ -7,3 +7,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the tiny models' programs are compiled once, not once per module.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zoo-test-jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+import pytest  # noqa: E402  (after the environment above: importing jax must see it)
+
+
+@pytest.fixture(scope="session")
+def audit_files(tmp_path_factory):
+    """A reference GGUF and its quantized copy (``tests.support.audit_files``)."""
+    from tests.support.audit_files import write_audit_files
+    return write_audit_files(tmp_path_factory)

@@ -17,7 +17,7 @@ from flax import nnx
 from zoo.quant.storage import dense_store
 from zoo.sharding.placement import full_index, place, source_index
 from zoo.sources.base import SourceError, TensorInfo
-from zoo.sources.names import NameMap, Target, apply_transform
+from zoo.sources.names import NameMap, Target, apply_transform, layout_transform
 
 
 class StackedSlices:
@@ -113,7 +113,8 @@ def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dens
         filled.add(hit.path)
     for path, (target, slices) in sliced.items():
         view = _stacked_view(source, slices, target, params[path].get_value())
-        _fill(params[path], store, view, view.name, None, path, mesh)
+        stacked = "matmul_in_layout" if layout_transform(target.transform).matmul else None
+        _fill(params[path], store, view, view.name, stacked, path, mesh)
         filled.add(path)
     missing = sorted(set(params) - filled)
     if missing:

@@ -151,7 +151,7 @@ class Generator:
         model = nnx.merge(self._graphdef, self._state)
         cache = shard_cache(model.init_cache(rows, length))
         if not self.k:
-            cache.pop("mtp", None)
+            cache = cache.without_mtp()
         d = model.config.hidden_size
         carry = ({"h": jnp.zeros((rows, self.k + 1, d), model.dtype), "tok": jnp.zeros((rows, self.k + 1), jnp.int32),
                   "n": jnp.ones((rows,), jnp.int32)} if self.k else {"tok": jnp.zeros((rows,), jnp.int32)})

@@ -13,7 +13,7 @@ One decode step (``spec_step``, one compiled program for the whole model)::
               undone with ``model.mtp_restore``
 
 The model provides ``__call__(..., keep_steps=True)``, ``rollback``, ``rollback_meta`` and
-``mtp_restore`` (Qwen38, Glm53).
+``mtp_restore`` (the contract of ``zoo.models.contract``).
     next pending rows: (h_m, d_1) .. (h_{m+j-1}, d_j), (h_{m+j}, extra)       -- j+1 rows
 
 ``accept`` is the sampler on its own (tested for distributional exactness).
@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from zoo.models.contract import CausalLMContract
+from zoo.models.shared.cache import ModelCache
 from zoo.serving.sampling import draw, probs
 
 
@@ -57,7 +59,7 @@ def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
 
 
-def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Array, params: dict, k: int,
+def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array, params: dict, k: int,
               force: jax.Array | None = None, cap: jax.Array | None = None):
     """One speculative decode step for every row (see module docstring).
 
@@ -72,11 +74,11 @@ def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Ar
     greedy = temp <= 0
     sub = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)           # [B, k+1]
     rows = (jnp.arange(k + 1)[None, :] < pending["n"][:, None]) & active[:, None]
-    mtp_before = cache["mtp"]["slots"]
+    mtp_before = cache.mtp.slots
     q_logits, o, cache = model.mtp_forward(pending["h"], pending["tok"], rows, cache)
-    caught_up = model.rollback_meta(mtp_before, cache["mtp"]["slots"], jnp.where(active, pending["n"], 0))
-    cache = {**cache, "mtp": {**cache["mtp"], "slots": caught_up}}
-    mark = cache["mtp"]
+    caught_up = model.rollback_meta(mtp_before, cache.mtp.slots, jnp.where(active, pending["n"], 0))
+    cache = cache.replace(mtp=cache.mtp.replace(slots=caught_up))
+    mark = cache.mtp
     last = jnp.maximum(pending["n"] - 1, 0)
     q_i, o_i = _at(q_logits, last), _at(o, last)
     qs, drafts = [], []
@@ -90,7 +92,7 @@ def spec_step(model, cache: dict, pending: dict, active: jax.Array, keys: jax.Ar
     drafts = jnp.stack(drafts, axis=1)                                  # [B, k]
     x_m = _at(pending["tok"], last)
     verify_ids = jnp.concatenate([x_m[:, None], drafts], axis=1)
-    before = cache["slots"]
+    before = cache.slots
     p_logits, h, cache = model(verify_ids, jnp.broadcast_to(active[:, None], verify_ids.shape), cache,
                                keep_steps=True)
     p = probs(p_logits, temp, top_k, top_p)

@@ -1,80 +1,87 @@
-"""Logical axes of every cache leaf, so caches are sharded like the weights that write them.
+"""Typed cache containers that carry the logical axes of their arrays, so caches are sharded like
+the weights that write them.
 
-The caches are plain pytrees (``init_cache`` of each model); a leaf is identified by the dict keys on
-its path (list positions dropped) and matched against ``RULES`` by suffix, longest suffix first.
-A leaf no rule names, or whose rank differs from its rule's, is an error: a new cache leaf must be
-given axes here rather than be silently replicated.
+A model's cache is a tree of ``CacheState`` containers: frozen dataclasses registered as jax
+pytrees, each declaring in ``AXES`` the logical axes of its array fields (the others hold nested
+containers, tuples of them, or None). Models define their containers beside the layers that write
+them (``zoo.models.shared.cache``, ``zoo.models.<arch>``); nothing outside a model reads a cache by
+string keys. A leaf outside a container, or whose rank differs from its declared axes, is an
+error: a new cache array must be given axes rather than be silently replicated.
 
-    path suffix                    shape                    axes
-    slots.index / slots.pos        [B]                      batch
-    slots.valid / slots.key_pos    [B, L]                   batch, cache_len
-    k / v     (gated attention)    [B, L, KVH, hd]          batch, cache_len, kv_heads, head_dim
-    conv.q / conv.k / conv.v (KDA) [B, K-1, H*dk]           batch, conv, heads
-    conv      (gated DeltaNet)     [B, K-1, conv_dim]       batch, conv, linear_qkv
-    state     (KDA / DeltaNet)     [B, H, dk, dv]           batch, cache_heads, head_dim, head_dim
-    latent    (MLA)                [B, L, C]                batch, cache_len, kv_lora
-    indexer.pool_k                 [B, L/P, di]             batch, pools, head_dim
-    indexer.tail_k / tail_gate     [B, P, di]               batch, kpool, head_dim
+    cache_axes(cache) -> {dotted path: axes}        every array, by its field path
+    shard_cache(cache)                              pin every array to its layout (inside jit)
+    cache_shardings(cache, mesh)                    the NamedSharding of every array (a tree like cache)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from typing import Any, Callable, ClassVar
 
 import jax
 from jax.sharding import Mesh
 
-from zoo.sharding.mesh import Axes, constrain_tree, named_sharding
+from zoo.sharding.mesh import Axes, current_mesh, named_sharding, partition_spec
 
 
-@dataclass(frozen=True)
-class CacheRule:
-    suffix: tuple[str, ...]
-    axes: Axes
+class CacheState:
+    """Base of the typed cache containers (declare them with ``@cache_state``)."""
+
+    AXES: ClassVar[dict[str, Axes]] = {}
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
 
 
-RULES: tuple[CacheRule, ...] = (
-    CacheRule(("slots", "index"), ("batch",)),
-    CacheRule(("slots", "pos"), ("batch",)),
-    CacheRule(("slots", "valid"), ("batch", "cache_len")),
-    CacheRule(("slots", "key_pos"), ("batch", "cache_len")),
-    *(CacheRule(("conv", p), ("batch", "conv", "heads")) for p in ("q", "k", "v")),
-    CacheRule(("conv",), ("batch", "conv", "linear_qkv")),
-    CacheRule(("state",), ("batch", "cache_heads", "head_dim", "head_dim")),
-    CacheRule(("k",), ("batch", "cache_len", "kv_heads", "head_dim")),
-    CacheRule(("v",), ("batch", "cache_len", "kv_heads", "head_dim")),
-    CacheRule(("latent",), ("batch", "cache_len", "kv_lora")),
-    CacheRule(("indexer", "pool_k"), ("batch", "pools", "head_dim")),
-    CacheRule(("indexer", "tail_k"), ("batch", "kpool", "head_dim")),
-    CacheRule(("indexer", "tail_gate"), ("batch", "kpool", "head_dim")),
-)
-_BY_LENGTH = sorted(RULES, key=lambda r: -len(r.suffix))
+def cache_state(cls):
+    """Class decorator: a frozen dataclass and a jax pytree whose fields are all children."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = set(cls.AXES) - set(fields)
+    if unknown:
+        raise TypeError(f"{cls.__name__}.AXES names fields it does not have: {sorted(unknown)}")
+    return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
 
 
-def leaf_axes(path, leaf) -> Axes:
-    """The logical axes of the cache leaf at ``path`` (a ``jax.tree_util`` key path)."""
-    keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-    for rule in _BY_LENGTH:
-        if keys[-len(rule.suffix):] == rule.suffix:
-            if len(rule.axes) != len(leaf.shape):
-                raise ValueError(f"cache leaf {'.'.join(keys)} has shape {tuple(leaf.shape)}; its rule "
-                                 f"{'.'.join(rule.suffix)} names {len(rule.axes)} axes {rule.axes}")
-            return rule.axes
-    raise ValueError(f"cache leaf {'.'.join(keys)} (shape {tuple(leaf.shape)}) has no logical axes; "
-                     f"add a rule to zoo.sharding.cache_axes.RULES")
+def map_with_axes(fn: Callable[[str, Any, Axes], Any], cache, path: str = "") -> Any:
+    """The cache with every array ``x`` at dotted ``path`` replaced by ``fn(path, x, axes)``."""
+    if cache is None:
+        return None
+    if isinstance(cache, (list, tuple)):
+        return type(cache)(map_with_axes(fn, x, f"{path}.{i}" if path else str(i)) for i, x in enumerate(cache))
+    if isinstance(cache, CacheState):
+        out = {}
+        for field in dataclasses.fields(cache):
+            value, where = getattr(cache, field.name), f"{path}.{field.name}" if path else field.name
+            if field.name in cache.AXES:
+                axes = cache.AXES[field.name]
+                if len(axes) != len(value.shape):
+                    raise ValueError(f"cache array {where} has shape {tuple(value.shape)}; "
+                                     f"{type(cache).__name__} declares {len(axes)} axes {axes}")
+                out[field.name] = fn(where, value, axes)
+            else:
+                out[field.name] = map_with_axes(fn, value, where)
+        return dataclasses.replace(cache, **out)
+    raise ValueError(f"cache value at {path or 'the root'} ({type(cache).__name__}) has no logical axes: "
+                     f"declare it in a typed cache container (zoo.sharding.cache_axes.CacheState) with its AXES")
 
 
 def cache_axes(cache) -> dict[str, Axes]:
-    """``{dotted path: axes}`` for every leaf of ``cache`` (arrays or ShapeDtypeStructs)."""
-    flat = jax.tree_util.tree_flatten_with_path(cache)[0]
-    return {jax.tree_util.keystr(p, simple=True, separator="."): leaf_axes(p, x) for p, x in flat}
+    """``{dotted path: axes}`` for every array of ``cache`` (arrays or ShapeDtypeStructs)."""
+    out: dict[str, Axes] = {}
+    map_with_axes(lambda path, x, axes: out.setdefault(path, axes), cache)
+    return out
 
 
 def shard_cache(cache):
-    """Pin every cache leaf to its layout on the current mesh (inside jit; identity without a mesh)."""
-    return constrain_tree(cache, leaf_axes)
+    """Pin every cache array to its layout on the current mesh (inside jit; identity without a mesh)."""
+    mesh = current_mesh()
+    if mesh is None:
+        return cache
+    return map_with_axes(lambda _, x, axes: jax.lax.with_sharding_constraint(
+        x, partition_spec(axes, tuple(x.shape), mesh)), cache)
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """The ``NamedSharding`` of every leaf of ``cache`` on ``mesh`` (a pytree like ``cache``)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: named_sharding(leaf_axes(p, x), x.shape, mesh), cache)
+    """The ``NamedSharding`` of every array of ``cache`` on ``mesh`` (a tree like ``cache``)."""
+    return map_with_axes(lambda _, x, axes: named_sharding(axes, x.shape, mesh), cache)

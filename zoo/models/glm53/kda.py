@@ -11,7 +11,7 @@ x [B, T, D] (padding rows zeroed) ->
   o = delta_rule(q, k, v, g, beta)                          (chunked for prefill, recurrent for decode)
   y = o_proj(w * rmsnorm(o) * sigmoid(g_b(g_a(x))))         gated norm per head, in f32      [B, T, D]
 
-Cache (one per layer): ``{"conv": {"q", "k", "v": [B, K-1, H*dk]}, "state": [B, H, dk, dk] f32}``.
+Cache (one per layer): ``KDACache(conv=KDAConv(q, k, v: [B, K-1, H*dk]), state [B, H, dk, dk] f32)``.
 Padding positions get no decay and no update (g = 0, beta = 0), so they leave the state untouched.
 """
 
@@ -22,10 +22,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.kernels import linear_attention
+from zoo.sharding.cache_axes import CacheState, cache_state
 from zoo.models.shared.layers import (Linear, causal_depthwise_conv, conv_state_steps, param, rms_normalize,
                                take_step)
 
 PROJECTIONS = ("q", "k", "v")
+
+
+@cache_state
+class KDAConv(CacheState):
+    AXES = {name: ("batch", "conv", "heads") for name in PROJECTIONS}
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+
+
+@cache_state
+class KDACache(CacheState):
+    AXES = {"state": ("batch", "cache_heads", "head_dim", "head_dim")}
+    conv: KDAConv
+    state: jax.Array
 
 
 class SigmoidGatedRMSNorm(nnx.Module):
@@ -62,10 +78,10 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = SigmoidGatedRMSNorm(self.head_dim, eps=cfg.rms_norm_eps, dtype=dtype)
         self.o_proj = Linear(self.width, d, axes=("heads", "embed"), dtype=dtype)
 
-    def init_cache(self, batch: int) -> dict:
+    def init_cache(self, batch: int) -> KDACache:
         conv = jnp.zeros((batch, self.conv_kernel - 1, self.width), self.dtype)
-        return {"conv": {name: conv for name in PROJECTIONS},
-                "state": jnp.zeros((batch, self.n_heads, self.head_dim, self.head_dim), jnp.float32)}
+        return KDACache(conv=KDAConv(q=conv, k=conv, v=conv),
+                        state=jnp.zeros((batch, self.n_heads, self.head_dim, self.head_dim), jnp.float32))
 
     def forget_gate(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> per-channel log decay g [B, T, H, dk] (f32, <= 0)."""
@@ -78,17 +94,17 @@ class KimiDeltaAttention(nnx.Module):
         return -rate * jax.nn.softplus(f)
 
     @staticmethod
-    def select_step(steps: dict, idx: jax.Array) -> dict:
+    def select_step(steps: KDACache, idx: jax.Array) -> KDACache:
         """A ``keep_steps`` cache -> the plain cache after token ``idx[b]`` of each row b."""
-        return {"conv": {name: take_step(c, idx) for name, c in steps["conv"].items()},
-                "state": take_step(steps["state"], idx)}
+        conv = KDAConv(**{name: take_step(getattr(steps.conv, name), idx) for name in PROJECTIONS})
+        return KDACache(conv=conv, state=take_step(steps.state, idx))
 
-    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict, keep_steps: bool = False
-                 ) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, mask: jax.Array, cache: KDACache, keep_steps: bool = False
+                 ) -> tuple[jax.Array, KDACache]:
         """x [B, T, D], mask [B, T] (True = token) -> (y [B, T, D], new cache).
 
         ``keep_steps``: the cache holds the conv and recurrent states after every token
-        (``{"conv": {name: [B, T, K-1, W]}, "state": [B, T, H, dk, dv]}``; see ``select_step``)."""
+        (conv ``[B, T, K-1, W]`` per projection, state ``[B, T, H, dk, dv]``; see ``select_step``)."""
         b, t, _ = x.shape
         heads = (b, t, self.n_heads, self.head_dim)
         x = jnp.where(mask[..., None], x, 0).astype(x.dtype)
@@ -96,18 +112,18 @@ class KimiDeltaAttention(nnx.Module):
         for name in PROJECTIONS:
             proj, weight = getattr(self, f"{name}_proj"), getattr(self, f"{name}_conv")
             projected = proj(x)
-            y, conv_states[name] = causal_depthwise_conv(projected, cache["conv"][name], weight[...])
+            y, conv_states[name] = causal_depthwise_conv(projected, getattr(cache.conv, name), weight[...])
             if keep_steps:
-                conv_states[name] = conv_state_steps(cache["conv"][name], projected)
+                conv_states[name] = conv_state_steps(getattr(cache.conv, name), projected)
             qkv[name] = jax.nn.silu(y.astype(jnp.float32)).astype(x.dtype).reshape(heads)
         g = jnp.where(mask[..., None, None], self.forget_gate(x), 0.0)
         beta = jnp.where(mask[..., None], jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), 0.0)
         q = linear_attention.l2_normalize(qkv["q"]) * (self.head_dim ** -0.5)
         k = linear_attention.l2_normalize(qkv["k"])
         if keep_steps:
-            o, state = linear_attention.recurrent(q, k, qkv["v"], g, beta, cache["state"], all_states=True)
+            o, state = linear_attention.recurrent(q, k, qkv["v"], g, beta, cache.state, all_states=True)
         else:
-            o, state = linear_attention.delta_rule(q, k, qkv["v"], g, beta, cache["state"])
+            o, state = linear_attention.delta_rule(q, k, qkv["v"], g, beta, cache.state)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(heads)
         o = self.o_norm(o.astype(x.dtype), gate).reshape(b, t, self.width)
-        return self.o_proj(o), {"conv": conv_states, "state": state}
+        return self.o_proj(o), KDACache(conv=KDAConv(**conv_states), state=state)

@@ -17,8 +17,9 @@ Indexer ("full" layers; scores in true f32), for queries at position p:
   that "shared" layers reuse.
 
 Positions are token counts per row (padding excluded), so left padding does not shift the pools.
-Cache per MLA layer: ``{"latent": [B, L, C]}`` plus, on full-indexer layers, ``{"indexer": {"pool_k":
-[B, L/P, di] (one key per complete pool), "tail_k", "tail_gate": [B, P, di] (the incomplete pool)}}``.
+Cache per MLA layer: ``LatentCache(latent [B, L, C], indexer)``; on full-indexer layers ``indexer`` is an
+``IndexerCache(pool_k [B, L/P, di] (one key per complete pool), tail_k, tail_gate [B, P, di] (the
+incomplete pool))``, else None.
 Which slot holds which position is shared by all layers (``Positions``).
 """
 
@@ -30,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.models.qwen38.gated_attention import write_slots
+from zoo.models.shared.kv_slots import write_slots
+from zoo.sharding.cache_axes import CacheState, cache_state
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param, take_step
 from zoo.ops.matmul import einsum
 
@@ -55,35 +57,59 @@ class Positions(NamedTuple):
     key_pos: jax.Array
 
 
-def empty_positions(batch: int, length: int) -> dict:
-    """Bookkeeping for ``length`` slots: ``index [B]`` slots used, ``pos [B]`` real tokens seen,
+@cache_state
+class PositionMeta(CacheState):
+    """Bookkeeping for L slots: ``index [B]`` slots used, ``pos [B]`` real tokens seen,
     ``key_pos [B, L]`` position held by each slot (-1 = empty)."""
-    return {"index": jnp.zeros((batch,), jnp.int32), "pos": jnp.zeros((batch,), jnp.int32),
-            "key_pos": jnp.full((batch, length), -1, jnp.int32)}
+
+    AXES = {"index": ("batch",), "pos": ("batch",), "key_pos": ("batch", "cache_len")}
+    index: jax.Array
+    pos: jax.Array
+    key_pos: jax.Array
 
 
-def advance_positions(meta: dict, mask: jax.Array) -> tuple[Positions, dict]:
+@cache_state
+class IndexerCache(CacheState):
+    AXES = {"pool_k": ("batch", "pools", "head_dim"), "tail_k": ("batch", "kpool", "head_dim"),
+            "tail_gate": ("batch", "kpool", "head_dim")}
+    pool_k: jax.Array
+    tail_k: jax.Array
+    tail_gate: jax.Array
+
+
+@cache_state
+class LatentCache(CacheState):
+    AXES = {"latent": ("batch", "cache_len", "kv_lora")}
+    latent: jax.Array
+    indexer: IndexerCache | None = None
+
+
+def empty_positions(batch: int, length: int) -> PositionMeta:
+    return PositionMeta(index=jnp.zeros((batch,), jnp.int32), pos=jnp.zeros((batch,), jnp.int32),
+                        key_pos=jnp.full((batch, length), -1, jnp.int32))
+
+
+def advance_positions(meta: PositionMeta, mask: jax.Array) -> tuple[Positions, PositionMeta]:
     """Account for a call of T tokens (``mask [B, T]``, True = token); returns (Positions, new meta).
 
     The caller guarantees ``index + T <= L``.
     """
     mask = mask.astype(bool)
     count = mask.sum(axis=1, dtype=jnp.int32)
-    query_pos = jnp.where(mask, meta["pos"][:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, -1)
-    key_pos = write_slots(meta["key_pos"], query_pos, meta["index"])
-    positions = Positions(write_at=meta["index"], start=meta["pos"], count=count, query_pos=query_pos,
-                          key_pos=key_pos)
-    new_meta = {"index": meta["index"] + mask.shape[1], "pos": meta["pos"] + count, "key_pos": key_pos}
+    query_pos = jnp.where(mask, meta.pos[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, -1)
+    key_pos = write_slots(meta.key_pos, query_pos, meta.index)
+    positions = Positions(write_at=meta.index, start=meta.pos, count=count, query_pos=query_pos, key_pos=key_pos)
+    new_meta = PositionMeta(index=meta.index + mask.shape[1], pos=meta.pos + count, key_pos=key_pos)
     return positions, new_meta
 
 
-def rollback_positions(before: dict, after: dict, n_keep: jax.Array) -> dict:
+def rollback_positions(before: PositionMeta, after: PositionMeta, n_keep: jax.Array) -> PositionMeta:
     """Bookkeeping after keeping only the first ``n_keep [B]`` tokens written since ``before`` (they
     must be real tokens); later slots become empty (-1) and are overwritten by the next call."""
-    index = before["index"] + n_keep
-    slot_ids = jnp.arange(after["key_pos"].shape[1])
-    return {"index": index, "pos": before["pos"] + n_keep,
-            "key_pos": jnp.where(slot_ids[None, :] < index[:, None], after["key_pos"], -1)}
+    index = before.index + n_keep
+    slot_ids = jnp.arange(after.key_pos.shape[1])
+    return PositionMeta(index=index, pos=before.pos + n_keep,
+                        key_pos=jnp.where(slot_ids[None, :] < index[:, None], after.key_pos, -1))
 
 
 class Indexer(nnx.Module):
@@ -102,14 +128,13 @@ class Indexer(nnx.Module):
         self.compress_gate = Linear(d, di, axes=("embed", "head_dim"), dtype=dtype)
         self.compress_ape = param((self.pool, di), ("kpool", "head_dim"), dtype)
 
-    def init_cache(self, batch: int, length: int) -> dict:
+    def init_cache(self, batch: int, length: int) -> IndexerCache:
         n_pools = -(-length // self.pool)
         tail = jnp.zeros((batch, self.pool, self.head_dim), self.dtype)
-        return {"pool_k": jnp.zeros((batch, n_pools, self.head_dim), self.dtype), "tail_k": tail,
-                "tail_gate": tail}
+        return IndexerCache(pool_k=jnp.zeros((batch, n_pools, self.head_dim), self.dtype), tail_k=tail, tail_gate=tail)
 
-    def _update_pools(self, k: jax.Array, gate: jax.Array, pos: Positions, cache: dict,
-                      keep_steps: bool = False) -> dict:
+    def _update_pools(self, k: jax.Array, gate: jax.Array, pos: Positions, cache: IndexerCache,
+                      keep_steps: bool = False) -> IndexerCache:
         """Pool the call's keys (k, gate [B, T, di]) with the cached tail: writes the key of every pool
         completed by this call into ``pool_k`` and keeps the new incomplete pool as the tail.
 
@@ -133,26 +158,27 @@ class Indexer(nnx.Module):
             rows_in = jnp.concatenate([prev, new.astype(self.dtype)], axis=1)
             return buf.at[rows, offsets].set(rows_in, mode="drop").reshape(b, window, p, di)
 
-        keys, gates = scatter(cache["tail_k"], k), scatter(cache["tail_gate"], gate)
+        keys, gates = scatter(cache.tail_k, k), scatter(cache.tail_gate, gate)
         filled = jnp.zeros((b, window * p), bool).at[rows, offsets].set(True, mode="drop").reshape(b, window, p)
         logits = gates.astype(jnp.float32) + self.compress_ape[...].astype(jnp.float32)
         probs = jax.nn.softmax(jnp.where(filled[..., None], logits, F32_MIN), axis=2)
         pooled = jnp.sum(probs.astype(self.dtype) * keys, axis=2)                          # [B, W, di]
-        n_pools = cache["pool_k"].shape[1]
+        n_pools = cache.pool_k.shape[1]
         dest = jnp.where(filled.all(-1), first[:, None] + jnp.arange(window), n_pools)
-        pool_k = cache["pool_k"].at[rows, dest].set(pooled, mode="drop")
+        pool_k = cache.pool_k.at[rows, dest].set(pooled, mode="drop")
         if keep_steps:
             steps = (pos.start[:, None] + jnp.arange(1, t + 1)[None, :]) // p - first[:, None]   # [B, T]
-            return {"pool_k": pool_k, "tail_k": keys[rows, steps], "tail_gate": gates[rows, steps]}
+            return IndexerCache(pool_k=pool_k, tail_k=keys[rows, steps], tail_gate=gates[rows, steps])
         last = (pos.start + pos.count) // p - first                                        # new tail
-        return {"pool_k": pool_k, "tail_k": keys[jnp.arange(b), last], "tail_gate": gates[jnp.arange(b), last]}
+        return IndexerCache(pool_k=pool_k, tail_k=keys[jnp.arange(b), last], tail_gate=gates[jnp.arange(b), last])
 
-    def __call__(self, x: jax.Array, q_resid: jax.Array, pos: Positions, cache: dict, keep_steps: bool = False):
+    def __call__(self, x: jax.Array, q_resid: jax.Array, pos: Positions, cache: IndexerCache,
+                 keep_steps: bool = False):
         """x [B, T, D], q_resid [B, T, q_lora] -> (token mask [B, T, L] bool, new indexer cache)."""
         b, t, _ = x.shape
         q = self.wq_b(q_resid).reshape(b, t, self.n_heads, self.head_dim)
         cache = self._update_pools(self.k_norm(self.wk(x)), self.compress_gate(x), pos, cache, keep_steps)
-        pool_k = cache["pool_k"]
+        pool_k = cache.pool_k
         scores = jnp.einsum("bthd,bpd->bthp", q.astype(jnp.float32), pool_k.astype(jnp.float32),
                             precision=HIGHEST)
         scores = jax.nn.relu(scores * self.head_dim ** -0.5)
@@ -196,22 +222,25 @@ class MultiLatentAttention(nnx.Module):
         self.o_proj = Linear(self.n_heads * self.dv, d, axes=("heads", "embed"), dtype=dtype, use_bias=bias)
         self.indexer = Indexer(cfg, dtype=dtype) if indexer else None
 
-    def init_cache(self, batch: int, length: int) -> dict:
-        cache = {"latent": jnp.zeros((batch, length, self.latent), self.dtype)}
-        if self.indexer is not None:
-            cache["indexer"] = self.indexer.init_cache(batch, length)
-        return cache
+    def init_cache(self, batch: int, length: int) -> LatentCache:
+        indexer = None if self.indexer is None else self.indexer.init_cache(batch, length)
+        return LatentCache(latent=jnp.zeros((batch, length, self.latent), self.dtype), indexer=indexer)
 
     @staticmethod
-    def select_step(steps: dict, idx: jax.Array) -> dict:
+    def select_step(steps: LatentCache, idx: jax.Array) -> LatentCache:
         """A ``keep_steps`` cache -> the cache after token ``idx[b]`` (only the indexer tails have steps)."""
-        if "indexer" not in steps:
+        if steps.indexer is None:
             return steps
-        ix = steps["indexer"]
-        return {**steps, "indexer": {**ix, "tail_k": take_step(ix["tail_k"], idx),
-                                     "tail_gate": take_step(ix["tail_gate"], idx)}}
+        ix = steps.indexer
+        return steps.replace(indexer=ix.replace(tail_k=take_step(ix.tail_k, idx), tail_gate=take_step(ix.tail_gate, idx)))
 
-    def __call__(self, x: jax.Array, pos: Positions, cache: dict, selection: jax.Array | None,
+    @staticmethod
+    def restore(now: LatentCache, mark: LatentCache) -> LatentCache:
+        """Undo the calls made since ``mark``: the indexer tails come back (the latent slots and the
+        pooled keys are positional: rewritten later)."""
+        return now.replace(indexer=now.indexer.replace(tail_k=mark.indexer.tail_k, tail_gate=mark.indexer.tail_gate))
+
+    def __call__(self, x: jax.Array, pos: Positions, cache: LatentCache, selection: jax.Array | None,
                  keep_steps: bool = False):
         """x [B, T, D]; selection: the token mask [B, T, L] of the last full layer (shared layers).
 
@@ -221,12 +250,13 @@ class MultiLatentAttention(nnx.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).reshape(b, t, self.n_heads, self.dn)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        cache = {**cache, "latent": write_slots(cache["latent"], latent, pos.write_at)}
+        cache = cache.replace(latent=write_slots(cache.latent, latent, pos.write_at))
         if self.indexer is not None:
-            selection, cache["indexer"] = self.indexer(x, q_resid, pos, cache["indexer"], keep_steps)
+            selection, indexer = self.indexer(x, q_resid, pos, cache.indexer, keep_steps)
+            cache = cache.replace(indexer=indexer)
         kv_b = self.kv_b[...].astype(x.dtype).reshape(self.latent, self.n_heads, self.dn + self.dv)
         w_k, w_v = kv_b[..., :self.dn], kv_b[..., self.dn:]
-        c = cache["latent"]
+        c = cache.latent
         q_latent = einsum("bthd,chd->bthc", q, w_k)
         scores = einsum("bthc,blc->bthl", q_latent, c).astype(jnp.float32) * self.dn ** -0.5
         scores = jnp.where(selection[:, :, None], scores, F32_MIN)

@@ -6,9 +6,9 @@ x [B, T, D] ->
   o = softmax(q k^T / sqrt(head_dim) + mask) v   (query head h reads kv head h // (H / KVH))
   y = o_proj(o * sigmoid(gate))                                                     [B, T, D]
 
-The KV cache is a pair of slot buffers per layer, ``{"k", "v": [B, L, KVH, head_dim]}``; which
-slots hold real tokens, and where this call writes, are shared by all layers and passed in as a
-``Slots`` (built once per forward by the model).
+The KV cache is a pair of slot buffers per layer, ``KVCache(k, v: [B, L, KVH, head_dim])``; which
+slots hold real tokens (``SlotMeta``, one for all layers), and where this call writes, are passed
+in as a ``Slots`` (built once per forward by the model).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import Linear, RMSNorm, apply_rotary
 from zoo.ops.matmul import einsum
+from zoo.sharding.cache_axes import CacheState, cache_state
 
 
 class Slots(NamedTuple):
@@ -39,14 +41,30 @@ class Slots(NamedTuple):
     sin: jax.Array
 
 
-def empty_slot_meta(batch: int, length: int) -> dict:
+@cache_state
+class SlotMeta(CacheState):
     """Bookkeeping shared by a model's attention caches: ``index [B]`` slots written so far,
     ``pos [B]`` real tokens seen so far (the next position), ``valid [B, L]`` slot holds a token."""
-    return {"index": jnp.zeros((batch,), jnp.int32), "pos": jnp.zeros((batch,), jnp.int32),
-            "valid": jnp.zeros((batch, length), bool)}
+
+    AXES = {"index": ("batch",), "pos": ("batch",), "valid": ("batch", "cache_len")}
+    index: jax.Array
+    pos: jax.Array
+    valid: jax.Array
 
 
-def advance_slots(meta: dict, mask: jax.Array) -> tuple[dict, jax.Array, dict]:
+@cache_state
+class KVCache(CacheState):
+    AXES = {"k": ("batch", "cache_len", "kv_heads", "head_dim"), "v": ("batch", "cache_len", "kv_heads", "head_dim")}
+    k: jax.Array
+    v: jax.Array
+
+
+def empty_slot_meta(batch: int, length: int) -> SlotMeta:
+    return SlotMeta(index=jnp.zeros((batch,), jnp.int32), pos=jnp.zeros((batch,), jnp.int32),
+                    valid=jnp.zeros((batch, length), bool))
+
+
+def advance_slots(meta: SlotMeta, mask: jax.Array) -> tuple[dict, jax.Array, SlotMeta]:
     """Account for a call of T tokens (``mask [B, T]``, 1 = token, 0 = padding).
 
     Returns (fields for ``Slots`` without the rotary tables, positions ``[B, T]``, updated meta).
@@ -55,32 +73,23 @@ def advance_slots(meta: dict, mask: jax.Array) -> tuple[dict, jax.Array, dict]:
     """
     t = mask.shape[1]
     mask = mask.astype(bool)
-    write_at = meta["index"]
-    valid = write_slots(meta["valid"], mask, write_at)
+    write_at = meta.index
+    valid = write_slots(meta.valid, mask, write_at)
     query_slot = write_at[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    positions = jnp.maximum(meta["pos"][:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
-    new_meta = {"index": write_at + t, "pos": meta["pos"] + mask.sum(axis=1, dtype=jnp.int32),
-                "valid": valid}
+    positions = jnp.maximum(meta.pos[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+    new_meta = SlotMeta(index=write_at + t, pos=meta.pos + mask.sum(axis=1, dtype=jnp.int32), valid=valid)
     return dict(write_at=write_at, key_valid=valid, query_slot=query_slot), positions, new_meta
 
 
-def rollback_slots(before: dict, after: dict, n_keep: jax.Array) -> dict:
+def rollback_slots(before: SlotMeta, after: SlotMeta, n_keep: jax.Array) -> SlotMeta:
     """Slot bookkeeping after keeping only the first ``n_keep [B]`` tokens written since ``before``.
 
     The kept tokens must be real (mask 1) and the prefix of what was written; later slots are
     marked invalid and will be overwritten by the next call.
     """
-    index = before["index"] + n_keep
-    slot_ids = jnp.arange(after["valid"].shape[1])
-    return {"index": index, "pos": before["pos"] + n_keep,
-            "valid": after["valid"] & (slot_ids[None, :] < index[:, None])}
-
-
-def write_slots(buf: jax.Array, new: jax.Array, write_at: jax.Array) -> jax.Array:
-    """Write ``new [B, T, ...]`` into ``buf [B, L, ...]`` at per-row slot ``write_at [B]``."""
-    def one(b, n, i):
-        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (i,) + (0,) * (b.ndim - 1))
-    return jax.vmap(one)(buf, new, write_at)
+    index = before.index + n_keep
+    slot_ids = jnp.arange(after.valid.shape[1])
+    return SlotMeta(index=index, pos=before.pos + n_keep, valid=after.valid & (slot_ids[None, :] < index[:, None]))
 
 
 def attention_mask(slots: Slots) -> jax.Array:
@@ -118,11 +127,11 @@ class GatedAttention(nnx.Module):
         self.q_norm = RMSNorm(hd, **norm)
         self.k_norm = RMSNorm(hd, **norm)
 
-    def init_cache(self, batch: int, length: int) -> dict:
+    def init_cache(self, batch: int, length: int) -> KVCache:
         shape = (batch, length, self.n_kv, self.head_dim)
-        return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
+        return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype))
 
-    def __call__(self, x: jax.Array, slots: Slots, cache: dict) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, slots: Slots, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """x [B, T, D] -> (y [B, T, D], cache with this call's keys/values written)."""
         b, t, _ = x.shape
         q_gate = self.q_proj(x).reshape(b, t, self.n_heads, 2 * self.head_dim)
@@ -131,8 +140,7 @@ class GatedAttention(nnx.Module):
         k = self.k_norm(self.k_proj(x).reshape(b, t, self.n_kv, self.head_dim))
         k = apply_rotary(k, slots.cos, slots.sin)
         v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
-        cache = {"k": write_slots(cache["k"], k, slots.write_at),
-                 "v": write_slots(cache["v"], v, slots.write_at)}
-        o = grouped_attention(q, cache["k"], cache["v"], attention_mask(slots), self.head_dim ** -0.5)
+        cache = KVCache(k=write_slots(cache.k, k, slots.write_at), v=write_slots(cache.v, v, slots.write_at))
+        o = grouped_attention(q, cache.k, cache.v, attention_mask(slots), self.head_dim ** -0.5)
         o = o.reshape(b, t, self.n_heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(o), cache

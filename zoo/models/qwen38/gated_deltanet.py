@@ -7,10 +7,10 @@ x [B, T, D] ->
   q, k repeated so value head j reads key head j // (nv / nk); L2-normalised; q *= dk^-0.5
   o = delta_rule(q, k, v, g, beta)  ->  gated_norm(o, z)  ->  out_proj     [B, T, D]
 
-Cache (one per layer): ``{"conv": [B, K-1, conv_dim], "state": [B, nv, dk, dv] f32}``.
+Cache (one per layer): ``DeltaNetCache(conv [B, K-1, conv_dim], state [B, nv, dk, dv] f32)``.
 Padding positions (``mask == 0``) enter as zeros, which leaves both states untouched.
 With ``keep_steps`` (speculative verify) the returned cache holds the states after *every* token,
-``{"conv": [B, T, K-1, conv_dim], "state": [B, T, nv, dk, dv]}``; ``select_step`` picks one per row.
+``DeltaNetCache(conv [B, T, K-1, conv_dim], state [B, T, nv, dk, dv])``; ``select_step`` picks one per row.
 """
 
 from __future__ import annotations
@@ -20,8 +20,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.kernels import linear_attention
+from zoo.sharding.cache_axes import CacheState, cache_state
 from zoo.models.shared.layers import (GatedRMSNorm, Linear, causal_depthwise_conv, conv_state_steps, param,
                                take_step)
+
+
+@cache_state
+class DeltaNetCache(CacheState):
+    AXES = {"conv": ("batch", "conv", "linear_qkv"), "state": ("batch", "cache_heads", "head_dim", "head_dim")}
+    conv: jax.Array
+    state: jax.Array
 
 
 class GatedDeltaNet(nnx.Module):
@@ -43,24 +51,22 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(self.dv, eps=cfg.rms_norm_eps, dtype=dtype)
         self.out_proj = Linear(self.value_dim, d, axes=("linear_v", "embed"), dtype=dtype)
 
-    def init_cache(self, batch: int) -> dict:
-        return {
-            "conv": jnp.zeros((batch, self.conv_kernel - 1, self.conv_dim), self.dtype),
-            "state": jnp.zeros((batch, self.nv, self.dk, self.dv), jnp.float32),
-        }
+    def init_cache(self, batch: int) -> DeltaNetCache:
+        return DeltaNetCache(conv=jnp.zeros((batch, self.conv_kernel - 1, self.conv_dim), self.dtype),
+                             state=jnp.zeros((batch, self.nv, self.dk, self.dv), jnp.float32))
 
     @staticmethod
-    def select_step(steps: dict, idx: jax.Array) -> dict:
+    def select_step(steps: DeltaNetCache, idx: jax.Array) -> DeltaNetCache:
         """A ``keep_steps`` cache -> the plain cache after token ``idx[b]`` of each row b."""
-        return {"conv": take_step(steps["conv"], idx), "state": take_step(steps["state"], idx)}
+        return DeltaNetCache(conv=take_step(steps.conv, idx), state=take_step(steps.state, idx))
 
-    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict, keep_steps: bool = False
-                 ) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, mask: jax.Array, cache: DeltaNetCache, keep_steps: bool = False
+                 ) -> tuple[jax.Array, DeltaNetCache]:
         """x [B, T, D], mask [B, T] (1 = token, 0 = padding) -> (y [B, T, D], new cache)."""
         b, t, _ = x.shape
         x = jnp.where(mask[..., None], x, 0).astype(x.dtype)
         mixed = self.in_proj_qkv(x)
-        qkv, conv_state = causal_depthwise_conv(mixed, cache["conv"], self.conv_weight[...])
+        qkv, conv_state = causal_depthwise_conv(mixed, cache.conv, self.conv_weight[...])
         qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
         q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         rep = self.nv // self.nk
@@ -73,10 +79,10 @@ class GatedDeltaNet(nnx.Module):
         q = linear_attention.l2_normalize(q) * (self.dk ** -0.5)
         k = linear_attention.l2_normalize(k)
         if keep_steps:
-            o, state = linear_attention.recurrent(q, k, v, g, beta, cache["state"], all_states=True)
-            conv_state = conv_state_steps(cache["conv"], mixed)
+            o, state = linear_attention.recurrent(q, k, v, g, beta, cache.state, all_states=True)
+            conv_state = conv_state_steps(cache.conv, mixed)
         else:
-            o, state = linear_attention.delta_rule(q, k, v, g, beta, cache["state"])
+            o, state = linear_attention.delta_rule(q, k, v, g, beta, cache.state)
         z = self.in_proj_z(x).reshape(b, t, self.nv, self.dv)
         o = self.norm(o.astype(x.dtype), z).reshape(b, t, self.value_dim)
-        return self.out_proj(o), {"conv": conv_state, "state": state}
+        return self.out_proj(o), DeltaNetCache(conv=conv_state, state=state)

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: reference implementations, file writers, checks run in subprocesses."""

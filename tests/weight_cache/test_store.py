@@ -1,0 +1,180 @@
+"""The repacked-weight cache (``zoo.load(..., cache=DIR)``): bit-identical round trips, fingerprints,
+corruption, atomic saves, and the Kaggle dataset packaging / discovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import zoo
+from zoo.weight_cache import store as checkpoint
+from tests.support.paths import DATA, ROOT
+IDS = np.arange(40)[None] % 500
+
+
+def leaves(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model.module))]
+
+
+def assert_same_model(a, b):
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb)
+    assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(la, lb))
+    np.testing.assert_array_equal(a.logits(IDS), b.logits(IDS))
+
+
+@pytest.mark.parametrize("gguf", ["qwen38-q256-udmix.gguf", "glm53-q256-udmix.gguf"])
+def test_round_trip_is_bit_identical(tmp_path, gguf):
+    """Quantized GGUF models (IQ2_S/IQ3_S expert banks, IQ3_XXS/IQ4_XS/Q6_K/Q8_0 linears as QArray
+    planes): the restored parameters and logits equal the freshly loaded ones exactly."""
+    src = tmp_path / gguf
+    shutil.copy(DATA / gguf, src)
+    fresh = zoo.load(src, dtype="float32", cache=tmp_path / "cache")
+    assert fresh.load_info["source"] == "source" and "save" in fresh.load_info["seconds"]
+    restored = zoo.load(src, dtype="float32", cache=tmp_path / "cache")
+    assert restored.load_info["source"] == "cache"
+    assert restored.load_info["cache_path"] == fresh.load_info["cache_path"]
+    assert {"find", "restore"} <= set(restored.load_info["seconds"])
+    assert_same_model(fresh, restored)
+    assert restored.tokenizer is not None
+    assert restored.tokenizer.encode("hello world") == fresh.tokenizer.encode("hello world")
+    print(f"[{gguf}] cold {fresh.load_info['seconds']['fill']:.2f}s + save "
+          f"{fresh.load_info['seconds']['save']:.2f}s, restore {restored.load_info['seconds']['restore']:.2f}s")
+
+
+def test_registry_model_and_dtype_are_part_of_the_fingerprint(tmp_path, capsys):
+    a = zoo.load("qwen38-tiny", cache=tmp_path)
+    b = zoo.load("qwen38-tiny", cache=tmp_path)
+    assert (a.load_info["source"], b.load_info["source"]) == ("source", "cache")
+    assert_same_model(a, b)
+    c = zoo.load("qwen38-tiny", dtype="float32", cache=tmp_path)
+    assert c.load_info["source"] == "source"
+    assert "dtype is 'bfloat16' in the cache, 'float32' requested" in capsys.readouterr().err
+    assert len(list(tmp_path.glob(f"*/{checkpoint.MANIFEST}"))) == 2
+
+
+def test_changed_source_or_recipe_rebuilds(tmp_path, capsys):
+    src = tmp_path / "model.gguf"
+    shutil.copy(DATA / "qwen38-q256-udmix.gguf", src)
+    zoo.load(src, dtype="float32", cache=tmp_path / "c")
+    q8 = zoo.load(src, dtype="float32", quant="Q8_0", cache=tmp_path / "c")
+    assert q8.load_info["source"] == "source"
+    assert "quant is None in the cache, 'Q8_0' requested" in capsys.readouterr().err
+    shutil.copy(DATA / "qwen38-tiny-mtp-f32.gguf", src)          # a different file, same name
+    other = zoo.load(src, dtype="float32", cache=tmp_path / "c")
+    assert other.load_info["source"] == "source"
+    assert "source file model.gguf differs" in capsys.readouterr().err
+    assert other.config.hidden_size == 64
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_corrupted_cache_rebuilds_never_wrong_weights(tmp_path, damage, capsys):
+    src = tmp_path / "m.gguf"
+    shutil.copy(DATA / "glm53-q256-udmix.gguf", src)
+    fresh = zoo.load(src, dtype="float32", cache=tmp_path / "c")
+    entry = Path(fresh.load_info["cache_path"])
+    files = sorted((f for f in (entry / "state").rglob("*") if f.is_file() and f.stat().st_size > 4096),
+                   key=lambda f: -f.stat().st_size)
+    victim = files[0]
+    raw = bytearray(victim.read_bytes())
+    if damage == "flip":
+        for i in range(len(raw) // 3, len(raw) // 3 + 64):
+            raw[i] ^= 0x5A
+        victim.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        shutil.rmtree(entry / "state" / "layers.1")
+    again = zoo.load(src, dtype="float32", cache=tmp_path / "c")
+    assert again.load_info["source"] == "source"
+    err = capsys.readouterr().err
+    why = {"flip": "does not match its recorded digest", "truncate": f"{victim.name} has {len(raw) // 2} bytes",
+           "remove": "missing"}[damage]
+    assert "rebuilding" in err and why in err, err
+    assert_same_model(fresh, again)
+    assert zoo.load(src, dtype="float32", cache=tmp_path / "c").load_info["source"] == "cache"
+
+
+def test_killed_save_leaves_nothing_a_load_accepts(tmp_path):
+    """SIGKILL a process in the middle of writing the cache: no entry is accepted afterwards."""
+    cache = tmp_path / "c"
+    code = ("import zoo, sys; zoo.load('glm53-tiny', dtype='float32', cache=sys.argv[1])")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cache)], env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(cache.glob(".partial-*/state/*")):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert any(cache.glob(".partial-*")), "the save never started"
+    assert not list(cache.glob(f"*/{checkpoint.MANIFEST}"))
+    fp = checkpoint.fingerprint("glm53-tiny", None, "float32", None)
+    assert checkpoint.find(fp, [cache]) == (None, [])
+    model = zoo.load("glm53-tiny", dtype="float32", cache=cache)       # rebuilds and saves cleanly
+    assert model.load_info["source"] == "source"
+    assert zoo.load("glm53-tiny", dtype="float32", cache=cache).load_info["source"] == "cache"
+
+
+def test_kaggle_push_pull_and_input_discovery(tmp_path, monkeypatch):
+    """kagglehub's two functions are substituted (no network here); everything else is real."""
+    import kagglehub
+
+    built = zoo.load("glm53-tiny", cache=tmp_path / "c")
+    entry = Path(built.load_info["cache_path"])
+    uploads = []
+    monkeypatch.setattr(kagglehub, "dataset_upload", lambda handle, local_dir, version_notes="", ignore_patterns=None:
+                        uploads.append((handle, local_dir, version_notes)))
+    checkpoint.push(entry, "someone/glm53-tiny-cache")
+    assert uploads == [("someone/glm53-tiny-cache", str(entry), f"zoo cache {entry.name}")]
+    with pytest.raises(ValueError, match="OWNER/NAME"):
+        checkpoint.push(entry, "no-owner")
+    with pytest.raises(checkpoint.CacheError):
+        checkpoint.push(tmp_path, "someone/x")                    # not a cache entry
+    # A notebook with the dataset attached: /kaggle/input/<dataset>/<entry>/...
+    kaggle_input = tmp_path / "kaggle" / "input"
+    shutil.copytree(entry, kaggle_input / "glm53-tiny-cache" / entry.name)
+    monkeypatch.setattr(kagglehub, "dataset_download", lambda handle, path=None, force_download=False,
+                        output_dir=None: str(kaggle_input / handle.split("/")[1]))
+    assert checkpoint.pull("someone/glm53-tiny-cache") == kaggle_input / "glm53-tiny-cache" / entry.name
+    monkeypatch.setenv("ZOO_CACHE_SEARCH", str(kaggle_input))
+    found = zoo.load("glm53-tiny")                                    # no cache= flag at all
+    assert found.load_info["source"] == "cache"
+    assert found.load_info["cache_path"].startswith(str(kaggle_input))
+    assert_same_model(built, found)
+
+
+def test_manifest_is_data_only(tmp_path):
+    """A manifest naming a type outside the stored-weight whitelist is refused, not instantiated."""
+    model = zoo.load("qwen38-tiny", cache=tmp_path)
+    entry = Path(model.load_info["cache_path"])
+    manifest = json.loads((entry / checkpoint.MANIFEST).read_text())
+    first = next(iter(manifest["params"]))
+    manifest["params"][first]["kind"] = "os:system"
+    (entry / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CacheError, match="unknown stored type"):
+        checkpoint.restore(entry)
+
+
+def test_cache_cli_build_and_ls(tmp_path, capsys):
+    from zoo.cli import main as cli_main
+
+    assert cli_main(["cache", "build", "qwen38-tiny", "--dir", str(tmp_path)]) == 0
+    built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert built["source"] == "source" and Path(built["cache_path"]).is_dir()
+    assert cli_main(["cache", "build", "qwen38-tiny", "--dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["source"] == "cache"
+    assert cli_main(["cache", "ls", str(tmp_path)]) == 0
+    assert "model=qwen38-tiny quant=None dtype=bfloat16" in capsys.readouterr().out
+    assert cli_main(["cache", "push", str(tmp_path), "--dataset", "a/b"]) == 2
+    assert "unreadable cache manifest" in capsys.readouterr().err
