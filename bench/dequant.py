@@ -18,9 +18,9 @@ import jax
 import numpy as np
 from gguf import quants as gq
 
-from zoo.quant import dequantize_jnp
-from zoo.formats.ggml import F16, BLOCK_LAYOUTS, QType
+from zoo.formats.ggml import BLOCK_LAYOUTS, F16, QType
 from zoo.formats.planes import from_planes, to_planes
+from zoo.quant import dequantize_jnp
 
 TYPES = [QType.IQ2_S, QType.IQ3_S, QType.IQ4_XS, QType.Q8_0, QType.Q6_K]
 TARGET_BYTES = 16 << 20

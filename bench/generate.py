@@ -42,7 +42,8 @@ def run(model: Model, k: int, prompts, n_tokens: int) -> dict:
     row_steps = sum(g.stats["steps"] + 1 for g in gens)        # + the prefill's token
     drafted = sum(g.stats["drafted"] for g in gens)
     return {"tok_s": tokens / dt, "tokens_per_step": tokens / row_steps,
-            "step_s": dt / max(steps, 1), "acceptance": sum(g.stats["accepted"] for g in gens) / drafted if drafted else 0,
+            "step_s": dt / max(steps, 1),
+            "acceptance": sum(g.stats["accepted"] for g in gens) / drafted if drafted else 0,
             "programs_per_step": calls["step"] / max(steps, 1)}
 
 
@@ -56,7 +57,8 @@ def main() -> None:
     tiny = zoo.load(args.model)
     bigram = bigram_variant(tiny)
     prompts = [[(7 * i + j) % 500 for j in range(24)] for i in range(args.streams)]
-    print(f"{args.model}: jax {jax.__version__} on {jax.devices()[0].platform}; {args.streams} streams x {args.tokens} tokens; k={args.k}")
+    print(f"{args.model}: jax {jax.__version__} on {jax.devices()[0].platform}; "
+          f"{args.streams} streams x {args.tokens} tokens; k={args.k}")
     base = run(tiny, 0, prompts, args.tokens)
     rows = [("plain", base), ("mtp, random head", run(tiny, args.k, prompts, args.tokens)),
             ("mtp, bigram head", run(bigram, args.k, prompts, args.tokens))]

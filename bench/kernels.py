@@ -3,7 +3,7 @@ the speed of the quantized expert path against dequantize-everything and against
 all measured in the same run.
 
 Part 1 (counts, GLM-5.3-Flash dimensions: hidden 4096, expert width 2048, 288 routed experts,
-top-8, 42 MoE layers with the UD-IQ3_XXS per-layer type mix of REFERENCE.md section 3): per decode
+top-8, 42 MoE layers with the UD-IQ3_XXS per-layer type mix of docs/reference.md section 3): per decode
 step, the expert planes read by a kernel that re-reads an expert for every (row, expert) slot, and by
 ours, which reads each distinct expert once (``zoo.kernels.dequant_matvec.expert_plan`` on sampled
 routings: uniform, and Zipf-skewed expert popularity as real routers show).
@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zoo.formats import planes as P
+from zoo.formats.ggml import BLOCK_LAYOUTS, F16, QType
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dispatch
 from zoo.kernels.formats import FORMATS
-from zoo.formats import planes as P
-from zoo.formats.ggml import F16, BLOCK_LAYOUTS, QType
 from zoo.ops.moe import moe
 from zoo.quant.qarray import QArray
 

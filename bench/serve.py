@@ -23,7 +23,6 @@ import zoo
 from zoo.serving.generator import Generator
 from zoo.serving.server import ServerThread, create_app
 
-
 REPEATS = 3                  # best of: the machine may be shared
 
 

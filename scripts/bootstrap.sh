@@ -2,7 +2,7 @@
 # Set up a virtualenv in .venv (Python >= 3.12) and run one of the project's jobs.
 #   bash scripts/bootstrap.sh serve [ZOO SERVE ARGS]  install zoo, run the main job: `zoo serve` (by default
 #                                                    the tiny embedded model on 127.0.0.1:8000)
-#   bash scripts/bootstrap.sh test [PYTEST ARGS]      install zoo[dev], run the whole test suite
+#   bash scripts/bootstrap.sh test [PYTEST ARGS]      install zoo[dev], lint (ruff), run the whole test suite
 #   bash scripts/bootstrap.sh generate [PROMPT]       install zoo, generate with the tiny embedded model
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,7 @@ case "$job" in
     exec .venv/bin/zoo generate --model qwen38-tiny --prompt "${1:-Hello, zoo!}" --max-tokens 32 ;;
   test)
     "${pip[@]}" -e '.[dev]'
+    .venv/bin/ruff check zoo tests bench scripts configs || { echo "lint failed (ruff; settings in pyproject.toml)" >&2; exit 1; }
     set +e
     .venv/bin/python -m pytest -n 2 --dist loadfile -q "$@"
     rc=$?

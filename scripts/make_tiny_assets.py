@@ -86,7 +86,8 @@ def hf_tensors(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         t.update({la + "in_proj_qkv.weight": lin(conv_dim, d), la + "in_proj_z.weight": lin(nv * dv, d),
                   la + "in_proj_b.weight": lin(nv, d), la + "in_proj_a.weight": lin(nv, d),
                   la + "out_proj.weight": lin(d, nv * dv),
-                  la + "conv1d.weight": (rng.standard_normal((conv_dim, 1, conv_k)) / np.sqrt(conv_k)).astype(np.float32),
+                  la + "conv1d.weight": (rng.standard_normal((conv_dim, 1, conv_k))
+                                         / np.sqrt(conv_k)).astype(np.float32),
                   la + "A_log": np.log(rng.uniform(0.5, 8.0, nv)).astype(np.float32),
                   la + "dt_bias": (0.5 * rng.standard_normal(nv)).astype(np.float32),
                   la + "norm.weight": (1.0 + 0.1 * rng.standard_normal(dv)).astype(np.float32)})
@@ -146,7 +147,7 @@ def make_glm() -> None:
     import torch
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    from tests import glm_reference as ref
+    from tests.models.glm53 import reference as ref
 
     out = fresh("glm53-tiny")
     cfg = json.loads((ROOT / "configs" / "glm53-tiny.json").read_text())

@@ -121,7 +121,8 @@ def _open(ckpt: Path, quant: str | None, dtype: str):
     gguf = whole_gguf(recipe, ckpt)
     if gguf is not None:                                     # the recipe is a whole GGUF in the directory
         source, cfg, name_map, gguf_tokenizer = open_gguf(gguf)
-        return source, cfg, name_map, tokenizer or gguf_tokenizer, store_for(quant, cfg.arch, dtype, gguf=True), "gguf"
+        store = store_for(None, cfg.arch, dtype, gguf=True)        # every tensor as stored
+        return source, cfg, name_map, tokenizer or gguf_tokenizer, store, "gguf"
     source = Fp8Dequantized(SafetensorsSource(ckpt))
     arch = architecture(cfg.arch)
     if not cfg.mtp_num_hidden_layers and _has_mtp_tensors(source, arch.hf_name_map(cfg)):

@@ -25,7 +25,6 @@ class ModelSpec:
     preset: str | None = None          # configs/<preset>: the real shape, for planning without weights
     hf_repo: str | None = None         # Hugging Face repo of the original checkpoint
     embedded: str | None = None        # zoo/assets/<embedded>: weights shipped inside the package
-    default_quant: str | None = None
 
     @property
     def arch(self) -> str:

@@ -7,7 +7,6 @@ Compile time dominates: every comparison of one type goes through the same flat 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +16,10 @@ from gguf import GGUFReader
 from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES
 
-from zoo.quant import dequantize, dequantize_jnp
-from zoo.formats.dequant import DEQUANTIZERS
-from zoo.formats.ggml import F16, F32, BLOCK_LAYOUTS, QType, qtype_of, row_bytes, tensor_nbytes
 from tests.support.paths import DATA
+from zoo.formats.dequant import DEQUANTIZERS
+from zoo.formats.ggml import BLOCK_LAYOUTS, F16, F32, QType, qtype_of, row_bytes, tensor_nbytes
+from zoo.quant import dequantize, dequantize_jnp
 
 N_WEIGHTS = 384 * 256  # per type and case: 384 super-blocks, 3072 legacy blocks
 SUPPORTED = sorted(DEQUANTIZERS)

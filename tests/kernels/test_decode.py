@@ -13,17 +13,31 @@ import numpy as np
 import pytest
 from gguf import quants as gq
 
-from tests.support.kernel_cases import (KERNEL_TYPES, LIMIT, activations, bank, blocks, jit_static, moe_oracle, raw_blocks,
-                                rel_err, routings, tpu_custom_calls, triton_calls)
-from zoo.kernels import dequant_matvec as mv
-from zoo.kernels import grouped_matmul as gm
-from zoo.kernels import dequant_matvec_gpu as mv_gpu
-from zoo.kernels.formats import FORMATS
-from zoo.kernels.tiles import decode_parts, plane_order, tiling_for
+from tests.support.kernel_cases import (
+    EXPERTS,
+    KERNEL_TYPES,
+    LIMIT,
+    TOP_K,
+    activations,
+    bank,
+    blocks,
+    jit_static,
+    moe_banks,
+    moe_oracle,
+    raw_blocks,
+    rel_err,
+    routings,
+    tpu_custom_calls,
+    triton_calls,
+)
 from zoo.formats import planes as P
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+from zoo.kernels import dequant_matvec as mv
+from zoo.kernels import dequant_matvec_gpu as mv_gpu
+from zoo.kernels import grouped_matmul as gm
+from zoo.kernels.formats import FORMATS
+from zoo.kernels.tiles import decode_parts, plane_order, tiling_for
 from zoo.quant.qarray import QArray
-from tests.support.kernel_cases import EXPERTS, TOP_K, moe_banks, moe_shapes
 
 TOL = 1e-6
 ROWS = {t: 1 + i for i, t in enumerate(KERNEL_TYPES)}          # 1..8 rows per step, one count per format

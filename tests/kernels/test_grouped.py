@@ -10,11 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support.kernel_cases import KERNEL_TYPES, LIMIT, activations, bank, jit_static, moe_oracle, rel_err, tpu_custom_calls
-from tests.support.kernel_cases import EXPERTS, TOP_K, moe_banks
+from tests.support.kernel_cases import (
+    EXPERTS,
+    KERNEL_TYPES,
+    LIMIT,
+    TOP_K,
+    activations,
+    bank,
+    jit_static,
+    moe_banks,
+    moe_oracle,
+    rel_err,
+    tpu_custom_calls,
+)
+from zoo.formats.ggml import QType
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import grouped_matmul as gm
-from zoo.formats.ggml import QType
 
 TOL = 1e-6
 BLOCK_ROWS = 8

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo.kernels import linear_attention as la
 from tests.support.helpers import rel_err
+from zoo.kernels import linear_attention as la
 
 
 def inputs(t, per_channel, seed, strong=False):

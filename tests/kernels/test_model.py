@@ -20,16 +20,16 @@ from gguf import quants as gq
 
 import zoo
 from tests.support.kernel_cases import activations, jit_static, moe_oracle, rel_err, tpu_custom_calls
+from tests.support.paths import DATA
+from zoo.formats import planes as P
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels import dispatch
 from zoo.kernels import grouped_matmul as gm
 from zoo.kernels.dispatch import Policy, use_policy
-from zoo.formats import planes as P
-from zoo.formats.ggml import BLOCK_LAYOUTS, QType
-from zoo.sources.gguf import GGUFSource
 from zoo.quant.qarray import QArray
-from tests.support.paths import DATA
+from zoo.sources.gguf import GGUFSource
 
 GLM, QWEN = DATA / "glm53-q256-udmix.gguf", DATA / "qwen38-q256-udmix.gguf"
 TOL = 1e-6
@@ -136,7 +136,7 @@ def test_dispatch_rule():
 
 
 def test_kernels_lower_at_glm_per_chip_sizes():
-    """GLM-5.3-Flash on 8 chips (REFERENCE.md section 4): per chip, gate/up [288, 4096, 256] IQ2_S,
+    """GLM-5.3-Flash on 8 chips (docs/reference.md section 4): per chip, gate/up [288, 4096, 256] IQ2_S,
     down [288, 256, 4096] IQ3_S; a 3-stream decode step and a 2048-token prefill; a Q8_0 [12288, 4096]
     dense projection. Abstract planes: the shapes, block specs and VMEM limits, nothing allocated."""
     def abstract(qtype, shape):

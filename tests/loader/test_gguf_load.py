@@ -16,14 +16,15 @@ from flax import nnx
 from gguf import quants as gq
 
 import zoo
-from tests.support import qwen_reference as ref
+from tests.models.qwen38 import reference as ref
 from tests.support.gguf_files import dequantized, metadata_of, write_dense_copy, write_gguf
 from tests.support.helpers import rel_err
-from zoo.formats.ggml import QType
-from zoo.sources.gguf import GGUFSource
-from zoo.quant.qarray import QArray
-from zoo.sources.base import SourceError
 from tests.support.paths import DATA
+from zoo.formats.ggml import QType
+from zoo.quant.qarray import QArray
+from zoo.registry import embedded_path
+from zoo.sources.base import SourceError
+from zoo.sources.gguf import GGUFSource
 
 Q256 = DATA / "qwen38-q256-udmix.gguf"
 TINY_MTP = DATA / "qwen38-tiny-mtp-f32.gguf"
@@ -276,3 +277,23 @@ def test_tokenizer_matches_the_hf_tokenizer_it_was_made_from(tmp_path):
     ours = tokenizer_from_gguf(GGUFSource(path))
     for text in ["Hello world, it's 2026!", "  leading spaces\n\nand\ttabs", "<|im_start|>user\nhi<|im_end|>"]:
         assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, text
+
+
+def test_qwen_ud_recipe_is_the_whole_gguf_of_the_checkpoint_directory(tmp_path):
+    """``quant="UD-IQ3_XXS"`` on a Qwen3.8 checkpoint directory loads the GGUF matching
+    ``*UD-IQ3_XXS*.gguf`` in it, every tensor as stored: the same model as loading that file."""
+    ckpt = tmp_path / "qwen-ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text((embedded_path("qwen38-tiny") / "config.json").read_text())
+    gguf = ckpt / "Qwen3.8-UD-IQ3_XXS.gguf"
+    gguf.write_bytes((DATA / "qwen38-q256-udmix.gguf").read_bytes())
+    ud = zoo.load(ckpt, quant="UD-IQ3_XXS", dtype="float32")
+    direct = zoo.load(gguf, dtype="float32")
+    assert ud.load_info["format"] == "gguf" and ud.config == direct.config
+    ids = np.load(DATA / "qwen38-q256.input_ids.npy")[:, :24]
+    assert np.array_equal(ud.logits(ids), direct.logits(ids))
+    assert any(isinstance(x, QArray) for x in jax.tree_util.tree_leaves(
+        nnx.state(ud.module), is_leaf=lambda x: isinstance(x, QArray)))
+    (ckpt / gguf.name).unlink()
+    with pytest.raises(FileNotFoundError, match=r"no GGUF matching '\*UD-IQ3_XXS\*.gguf'"):
+        zoo.load(ckpt, quant="UD-IQ3_XXS")

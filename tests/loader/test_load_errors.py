@@ -12,9 +12,9 @@ from safetensors.numpy import save_file
 
 import zoo
 from zoo.models.config import ConfigError
+from zoo.registry import UnknownModelError, embedded_path
 from zoo.sources.base import SourceError
 from zoo.sources.safetensors import SafetensorsSource
-from zoo.registry import UnknownModelError, embedded_path
 
 
 @pytest.fixture

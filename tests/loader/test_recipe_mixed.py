@@ -10,12 +10,12 @@ from flax import nnx
 from gguf import quants as gq
 
 import zoo
-from tests.support import glm_reference as ref
+from tests.models.glm53 import reference as ref
 from tests.support.gguf_files import write_gguf
 from zoo.formats.ggml import QType
-from zoo.sources.gguf import GGUFSource
 from zoo.quant.qarray import QArray
 from zoo.sources.base import SourceError
+from zoo.sources.gguf import GGUFSource
 
 # routed-expert bank -> ggml type written into the GGUF (rows of 64 / 32 weights: 32-blocks)
 TYPES = {"gate": QType.Q8_0, "up": QType.Q4_0, "down": QType.Q5_1}

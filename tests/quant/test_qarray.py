@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,13 +9,13 @@ import pytest
 from gguf import quants as gq
 
 from tests.support.helpers import rel_err
-from zoo.formats import planes as P
-from zoo.formats.ggml import F16, BLOCK_LAYOUTS, QType
-from zoo.sources.gguf import GGUFSource
-from zoo.ops.matmul import dense_matmul, matmul
-from zoo.quant.qarray import QArray
 from tests.support.kernel_cases import random_rows
 from tests.support.paths import DATA
+from zoo.formats import planes as P
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+from zoo.ops.matmul import dense_matmul, matmul
+from zoo.quant.qarray import QArray
+from zoo.sources.gguf import GGUFSource
 
 QUANTIZED = sorted(t for t, layout in BLOCK_LAYOUTS.items() if layout.block_size > 1)
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import zoo
+from tests.support.helpers import bigram_variant
 from zoo.serving.generator import MIN_ROWS
 from zoo.serving.speculative import accept
-from tests.support.helpers import bigram_variant
 
 PROMPTS = [[5, 17, 200, 33, 8, 91, 4, 250, 11], [300, 2, 77], [42] * 20, [7, 8, 9, 10, 11, 12]]
 N_NEW = 16

@@ -8,8 +8,15 @@ import json
 import pytest
 
 from zoo.serving.reasoning import Reasoning, ReasoningParser, Text, prompt_opens_reasoning
-from zoo.serving.tool_parsers import (GlmToolParser, QwenToolParser, ToolCallArgs, ToolCallEnd,
-                                      ToolCallStart, call_prefix, detect_format)
+from zoo.serving.tool_parsers import (
+    GlmToolParser,
+    QwenToolParser,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+    call_prefix,
+    detect_format,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": "string"},

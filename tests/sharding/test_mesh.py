@@ -4,8 +4,6 @@ and the planner's per-device bytes in each layout. The 8-device runs are in ``te
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import ml_dtypes
 import numpy as np
@@ -14,24 +12,24 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 import zoo
-from tests.support.helpers import CountingSource
 from tests.support.gguf_fixtures import ROUTED_EXPERT_BYTES
+from tests.support.helpers import CountingSource
 from tests.support.kernel_cases import random_rows
-from zoo.loader.fill import StackedSlices
-from zoo.models.config import load_config
-from zoo.sharding.mesh import MESH_LAYOUTS, make_mesh, partition_spec, resolve_mesh, sharding_rule, value_specs
-from zoo.models.architectures import architecture as arch
-from zoo.sharding.cache_axes import cache_axes
-from zoo.sharding.placement import ReadPlan, SliceView
-from zoo.sources.fp8 import Fp8Dequantized
-from zoo.formats.ggml import QType
-from zoo.sources.gguf import GGUFSource
-from zoo.quant.int8 import Int8Weight, quantize_int8
-from zoo.sources.names import HeadOrder, Target, Transform
-from zoo.quant.qarray import QArray
-from zoo.sources.base import TensorInfo
-from zoo.registry import embedded_path
 from tests.support.paths import DATA
+from zoo.formats.ggml import QType
+from zoo.loader.fill import StackedSlices
+from zoo.models.architectures import architecture as arch
+from zoo.models.config import load_config
+from zoo.quant.int8 import Int8Weight, quantize_int8
+from zoo.quant.qarray import QArray
+from zoo.registry import embedded_path
+from zoo.sharding.cache_axes import cache_axes
+from zoo.sharding.mesh import MESH_LAYOUTS, make_mesh, partition_spec, resolve_mesh, sharding_rule, value_specs
+from zoo.sharding.placement import ReadPlan, SliceView
+from zoo.sources.base import TensorInfo
+from zoo.sources.fp8 import Fp8Dequantized
+from zoo.sources.gguf import GGUFSource
+from zoo.sources.names import HeadOrder, Target, Transform
 
 TP8 = AbstractMesh((8,), ("tp",))
 EP8 = AbstractMesh((2, 4), ("ep", "tp"))

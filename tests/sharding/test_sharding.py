@@ -13,16 +13,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.support.gguf_files import dequantized, metadata_of, write_gguf
+from tests.support.paths import DATA, ROOT
 from tests.support.random_checkpoints import write_random_checkpoint
 from zoo.formats.ggml import QType
 from zoo.sources.gguf import GGUFSource
-from tests.support.paths import DATA, ROOT
 
 TOL = 1e-5
 
@@ -44,7 +43,7 @@ QWEN = {"model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": 64, "int
         "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False}
 # float32 Qwen of ~200 MB whose largest tensor is 16 MB, for the host-memory check
 QWEN_BIG = {**QWEN, "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
-            "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
             "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64}
 MEMORY_BUDGET = 80 * 2**20
 

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.gguf_files import write_gguf
-from zoo.formats.ggml import QType
-from zoo.sources.gguf import GGUFSource
-from zoo.sources.base import SourceError
 from tests.support.paths import DATA
+from zoo.formats.ggml import QType
+from zoo.sources.base import SourceError
+from zoo.sources.gguf import GGUFSource
 
 QWEN = DATA / "qwen38-q256-udmix.gguf"
 GLM = DATA / "glm53-q256-udmix.gguf"

@@ -16,16 +16,17 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from tests.support.gguf_files import metadata_of, write_gguf
 from tests.support.audit_files import BANK, EXPERTS, ROWS
-from zoo.cli import main
-from zoo.tools.audit import audit
-from zoo.sources.gguf import GGUFSource, check_header
-from zoo.tools.plan import plan_gguf
-from zoo.sources.remote import HEADER_FIRST, _resolve
-from zoo.sources.base import SourceError
-from zoo.serving.server import ServerThread
+from tests.support.gguf_files import metadata_of, write_gguf
 from tests.support.paths import DATA
+from zoo.cli import main
+from zoo.serving.server import ServerThread
+from zoo.sources.base import SourceError
+from zoo.sources.gguf import GGUFSource
+from zoo.sources.gguf_header import check_header
+from zoo.sources.remote import HEADER_FIRST, _resolve
+from zoo.tools.audit import audit
+from zoo.tools.plan import plan_gguf
 
 GLM = "glm53-q256-udmix.gguf"
 

@@ -8,17 +8,15 @@ the oracle: ``gguf.quants.dequantize`` then the layer in float64 numpy.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import numpy as np
 from gguf import quants as gq
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from zoo.kernels.formats import FORMATS
-from zoo.formats.ggml import F16, BLOCK_LAYOUTS, QType
-from zoo.quant.qarray import QArray
 from tests.support.helpers import rel_err  # noqa: F401  (re-exported for the kernel tests)
+from zoo.formats.ggml import BLOCK_LAYOUTS, F16, QType
+from zoo.kernels.formats import FORMATS
+from zoo.quant.qarray import QArray
 
 KERNEL_TYPES = sorted(FORMATS, key=lambda t: t.name)
 LIMIT = 0.5            # SwiGLU clamp, low enough that some gate/up values are clamped

@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from zoo.models.config import config_from_hf
 from zoo.models.architectures import architecture as arch
+from zoo.models.config import config_from_hf
 
 # parameter path -> (on-disk name, layout): "T" stored [out, in], "conv" stored [C, 1, K],
 # "experts" one [out, in] tensor per expert, None as is. First match wins.
@@ -81,7 +81,8 @@ def _on_disk(path: str, value: np.ndarray) -> dict[str, np.ndarray]:
 # Qwen3.x's at the top level: ``mtp.layers.0.*`` and ``mtp.fc`` / ``mtp.pre_fc_norm_*`` / ``mtp.norm``.
 GLM_MTP = (("mtp.block.", ""), ("mtp.fc.", "eh_proj."), ("mtp.embed_norm.", "enorm."),
            ("mtp.hidden_norm.", "hnorm."), ("mtp.final_norm.", "shared_head.norm."))
-QWEN_MTP = {"mtp.fc.kernel": ("mtp.fc.weight", "T"), "mtp.embed_norm.weight": ("mtp.pre_fc_norm_embedding.weight", None),
+QWEN_MTP = {"mtp.fc.kernel": ("mtp.fc.weight", "T"),
+            "mtp.embed_norm.weight": ("mtp.pre_fc_norm_embedding.weight", None),
             "mtp.hidden_norm.weight": ("mtp.pre_fc_norm_hidden.weight", None),
             "mtp.final_norm.weight": ("mtp.norm.weight", None)}
 

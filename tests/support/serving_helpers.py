@@ -22,8 +22,8 @@ from flax import nnx
 import zoo
 from zoo.api import Model
 from zoo.models.shared.cache import ModelCache
-from zoo.sharding.cache_axes import CacheState, cache_state
 from zoo.registry import embedded_path
+from zoo.sharding.cache_axes import CacheState, cache_state
 
 MARK = "<|endoftext|>"
 
@@ -61,7 +61,8 @@ GLM_TEMPLATE = """
 {%- for tool in tools %}{{- ' ' + tool.function.name }}{%- endfor %}<|im_end|>
 {%- endif %}
 {%- for message in messages %}
-{%- if message.role in ('system', 'user') %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' }}
+{%- if message.role in ('system', 'user') %}{{- '<|im_start|>' + message.role + '\\n'
+                                                 + message.content + '<|im_end|>' }}
 {%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}
 {%- if message.reasoning_content %}{{- '<think>' + message.reasoning_content + '</think>' }}{%- endif %}
 {{- message.content }}

@@ -5,13 +5,12 @@ not leak into other test modules)::
     python -m tests.support.sharding_checks CHECK '{"path": ...}'
 
 A check asserts what it tests and prints one JSON line of its measurements (errors, bytes, RSS).
-Oracle (DESIGN.md): the same computation on one device, <= 1e-5 relative.
+Oracle (docs/reference.md, "Design: test oracles"): the same computation on one device, <= 1e-5 relative.
 """
 
 from __future__ import annotations
 
 import collections
-
 import json
 import re
 import sys
@@ -25,8 +24,8 @@ from jax.sharding import PartitionSpec
 
 import zoo
 from tests.support.helpers import CountingSource, rel_err
-from zoo.sharding.mesh import make_mesh, state_shardings
 from zoo.sharding.cache_axes import cache_shardings
+from zoo.sharding.mesh import make_mesh, state_shardings
 
 TOL = 1e-5
 PROMPT, NEW = 12, 5
@@ -77,7 +76,8 @@ def generate_and_check(model, reference_logits_fn, vocab: int, spec_tokens: int)
     want = cache_shardings(cache, model.mesh)
     split = 0
     for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(cache)[0], jax.tree.leaves(want)):
-        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (jax.tree_util.keystr(path), leaf.sharding, sharding)
+        where = jax.tree_util.keystr(path)
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (where, leaf.sharding, sharding)
         split += any(a is not None for a in sharding.spec)
     assert split, "no cache leaf is split"
     # admission counts one device's share of the batch state (its memory budget is one device's)
@@ -186,9 +186,9 @@ def memory(path: str, budget: int) -> dict:
     """Loading a float32 model onto 8 devices: host memory beyond the placed weights stays under
     ``budget`` (well under the model), and a column-parallel weight is read 1/8 at a time."""
     from zoo.loader.fill import fill_from_source
-    from zoo.quant.storage import dense_store
-    from zoo.models.config import load_config
     from zoo.models.architectures import architecture as arch
+    from zoo.models.config import load_config
+    from zoo.quant.storage import dense_store
     from zoo.sources.safetensors import SafetensorsSource
 
     mesh = make_mesh("tp")
@@ -200,7 +200,8 @@ def memory(path: str, budget: int) -> dict:
     before, _ = _rss()
     model = zoo.load(path, dtype="float32", mesh=mesh)
     after, peak = _rss()
-    placed = sum(s.data.nbytes for v in params(model).values() for x in jax.tree.leaves(v) for s in x.addressable_shards)
+    placed = sum(s.data.nbytes for v in params(model).values() for x in jax.tree.leaves(v)
+                 for s in x.addressable_shards)
     out = {"model_bytes": model_bytes, "placed_bytes": placed, "rss_before": before, "rss_after": after,
            "rss_peak": peak, "transient": peak - after, "growth": peak - before, "budget": budget}
     assert budget < model_bytes / 2 and out["transient"] < budget and out["growth"] < placed + budget, out

@@ -10,14 +10,13 @@ import pytest
 from gguf import GGUFReader
 from gguf import quants as gq
 
+from tests.support.audit_files import BANK, EXPERTS, MATRIX, NORM, ROWS
 from tests.support.gguf_files import write_gguf
 from zoo.cli import main
-from zoo.tools.audit import audit
 from zoo.formats.ggml import QType
-from zoo.sources.gguf import GGUFSource
 from zoo.sources.base import SourceError
-from tests.support.audit_files import BANK, EXPERTS, MATRIX, NORM, ROWS
-
+from zoo.sources.gguf import GGUFSource
+from zoo.tools.audit import audit
 
 
 def numpy_values(path, name: str) -> np.ndarray:
@@ -34,7 +33,7 @@ def numpy_metrics(q: np.ndarray, w: np.ndarray) -> tuple[float, float, float]:
 
 
 def test_numbers_equal_a_direct_numpy_computation(audit_files):
-    quant, ref = files
+    quant, ref = audit_files
     rows = audit(quant, ref, ["blk.0.ffn_*", "blk.0.attn_*"], experts=EXPERTS, rows=ROWS)
     got = {(r.tensor, r.expert): r for r in rows}
     assert list(got) == [(BANK, 1), (BANK, 3), (BANK, "all"), (MATRIX, None), (NORM, None)]
@@ -67,7 +66,7 @@ def test_reads_only_the_chosen_experts_and_rows(audit_files):
 
 
 def test_cli_writes_the_table_and_json(audit_files, tmp_path, capsys):
-    quant, ref = files
+    quant, ref = audit_files
     out = tmp_path / "audit.json"
     assert main(["audit", str(quant), str(ref), "--tensors", "blk.0.ffn_*", "--experts", "1,3", "--rows", "16:48",
                  "--json", str(out)]) == 0
@@ -81,7 +80,7 @@ def test_cli_writes_the_table_and_json(audit_files, tmp_path, capsys):
 
 
 def test_errors_name_the_file_and_tensor(audit_files, tmp_path):
-    quant, ref = files
+    quant, ref = audit_files
     with pytest.raises(ValueError, match="quant.gguf: no tensor matches"):
         audit(quant, ref, ["nothing.*"])
     with pytest.raises(SourceError, match=f"quant.gguf: tensor '{BANK}' has 4 experts; expert 9"):

@@ -1,5 +1,5 @@
 """The memory planner: inventories checked against real GGUF files, the UD-IQ3_XXS expert bytes of
-GLM-5.3-Flash (REFERENCE.md section 3), and the Plan API."""
+GLM-5.3-Flash (docs/reference.md section 3), and the Plan API."""
 
 from __future__ import annotations
 
@@ -9,17 +9,16 @@ from pathlib import Path
 import pytest
 
 import zoo
-from zoo import registry
-from zoo.models.config import config_from_hf
-from zoo.sources.gguf import GGUFSource
-from zoo.loader.gguf_model import config_from_gguf
-from zoo.models.architectures import architecture
-from zoo.tools.plan import plan_config, plan_gguf
 from tests.support.gguf_fixtures import GLM_FIXTURES, ROUTED_EXPERT_BYTES
 from tests.support.paths import DATA
+from zoo import registry
+from zoo.loader.gguf_model import config_from_gguf
+from zoo.models.architectures import architecture
+from zoo.models.config import config_from_hf
+from zoo.sources.gguf import GGUFSource
+from zoo.tools.plan import plan_config, plan_gguf
 
-
-# GLM-5.3-Flash as REFERENCE.md section 1 describes it (transformers' glm5_next defaults), with
+# GLM-5.3-Flash as docs/reference.md section 1 describes it (transformers' glm5_next defaults), with
 # its MTP layer; zoo.plan("glm53-flash") reads the same from configs/glm53-flash.json once it exists.
 GLM53_FLASH = {"model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096,
                "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 45,
@@ -43,7 +42,8 @@ def test_glm_inventory_is_exactly_the_files_tensors(name):
     """Up to unit dims: llama.cpp writes the KDA convs as ne [4, 1, C] or [4, 1, C, 1] by version."""
     cfg = config_from_hf({"model_type": "glm5_next_text", **GLM_FIXTURES[name]})
     squeeze = lambda table: {k: tuple(d for d in v if d != 1) for k, v in table.items()}   # noqa: E731
-    assert squeeze({t.name: t.shape for t in architecture("glm53").part("inventory")(cfg)}) == squeeze(shapes(DATA / name))
+    inventory = architecture("glm53").part("inventory")(cfg)
+    assert squeeze({t.name: t.shape for t in inventory}) == squeeze(shapes(DATA / name))
 
 
 def glm53_plan(quant: str, devices: int = 8):
@@ -65,7 +65,7 @@ def test_glm53_ud_iq3_xxs_routed_experts_bytes():
     per_chip = sum(t.per_device_bytes for t in plan.tensors if t.tensor.cls == "routed_experts")
     print(f"UD-IQ3_XXS routed experts: {plan.by_class['routed_experts']:,} B; planes per chip "
           f"{per_chip:,} B; total {plan.total_bytes:,} B, {plan.per_device_bytes:,} B per chip")
-    assert 13.8e9 < per_chip < 13.9e9                                   # REFERENCE.md section 4: ~13.84 GB
+    assert 13.8e9 < per_chip < 13.9e9                                   # docs/reference.md section 4: ~13.84 GB
     assert plan.total_bytes == sum(plan.by_class.values()) and plan.per_device_bytes < plan.total_bytes / 7
     assert plan.fits(16.9e9) and not plan.fits(per_chip)
 
@@ -120,3 +120,22 @@ def test_plan_cli(capsys):
     assert "glm53-q256-udmix.gguf / as stored on 2 device(s)" in capsys.readouterr().out
     assert main(["plan", "glm53-flash"]) == 2
     assert "--quant RECIPE is required" in capsys.readouterr().err
+
+
+def test_recipes_are_per_model():
+    """UD-IQ3_XXS means GLM's mixed recipe for GLM; for Qwen3.8 it is the whole Unsloth GGUF, whose
+    per-tensor types only the file knows: planning it without the file is a clear error."""
+    glm = zoo.plan("glm53-flash", quant="UD-IQ3_XXS", devices=8)
+    assert glm.by_kind.keys() >= {"IQ2_S", "IQ3_S", "IQ4_XS", "FP8"}
+    with pytest.raises(ValueError, match="UD-IQ3_XXS.*qwen38 is a whole GGUF.*zoo plan FILE.gguf"):
+        zoo.plan("qwen38-27b", quant="UD-IQ3_XXS")
+
+
+def test_int8_recipe_plans_a_byte_per_weight_and_a_scale_per_output_channel():
+    plan = zoo.plan("qwen38-27b", quant="int8", devices=8)
+    kinds = {t.tensor.name: (t.kind, t.nbytes, t.tensor.shape) for t in plan.tensors}
+    kind, nbytes, (rows, cols) = kinds["blk.0.ffn_gate.weight"]
+    assert kind == "INT8" and nbytes == rows * (cols + 4)
+    assert kinds["token_embd.weight"][0] == "BF16" and kinds["blk.0.attn_norm.weight"][0] == "BF16"
+    bf16 = zoo.plan("qwen38-27b", quant="bf16", devices=8)
+    assert 0.5 < plan.total_bytes / bf16.total_bytes < 0.56      # ~1 of 2 bytes per weight, embeddings dense

@@ -18,8 +18,9 @@ import pytest
 from flax import nnx
 
 import zoo
-from zoo.weight_cache import store as checkpoint
 from tests.support.paths import DATA, ROOT
+from zoo.weight_cache import store as checkpoint
+
 IDS = np.arange(40)[None] % 500
 
 

@@ -7,9 +7,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-from tests.support.paths import DATA, ROOT
 
+from tests.support.paths import DATA, ROOT
 
 
 def test_cache_restores_on_other_meshes_and_layouts(tmp_path):

@@ -1,4 +1,4 @@
-"""GGUF blocks <-> the kernel plane layout (REFERENCE.md section 4), layout version 1.
+"""GGUF blocks <-> the kernel plane layout (docs/reference.md section 4), layout version 1.
 
 A quantized matrix is stored by GGUF as rows of blocks, ``uint8 [*lead, rows, n_blocks *
 type_size]`` (``rows`` = output features, the blocks run along the input features; ``lead`` =
@@ -17,7 +17,7 @@ GGUF payload except for that padding (``plane_nbytes``).
 
 ``in_splits`` S > 1 packs the row's blocks as S equal parts, each on its own, concatenated along the
 word axis (``[*lead, S * n_words(part), rows]``): a matrix split by input blocks over S devices
-(REFERENCE.md section 4, ``down`` split by input blocks) then gives every device whole word groups
+(docs/reference.md section 4, ``down`` split by input blocks) then gives every device whole word groups
 of its own blocks, padded per part like a matrix of ``n_blocks / S`` blocks.
 
 ``to_planes`` runs on the host (numpy, at load); ``from_planes`` is jnp and works inside ``jit``

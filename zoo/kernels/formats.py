@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.kernels.tiles import F32, Reader, bits, check_in_block, f16_to_f32, shr, signed_byte, to_f32
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+from zoo.kernels.tiles import F32, Reader, bits, check_in_block, f16_to_f32, shr, signed_byte, to_f32
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from zoo.formats.ggml import BLOCK_LAYOUTS
 from zoo.kernels.formats import Format, format_of
 from zoo.kernels.tiles import Tiling, input_order, tiling_for
-from zoo.formats.ggml import BLOCK_LAYOUTS
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from zoo.quant.storage import dense_store
 from zoo.sharding.placement import full_index, place, source_index
-from zoo.sources.base import SourceError, TensorInfo
+from zoo.sources.base import SourceError, TensorInfo, WeightSource
 from zoo.sources.names import NameMap, Target, apply_transform, layout_transform
 
 
@@ -84,7 +84,7 @@ def _stacked_view(source, slices: dict[int, str], target: Target, want) -> Stack
     return StackedSlices(source, [slices[i] for i in range(n)], target, want)
 
 
-def fill_from_source(abstract: nnx.Module, source, name_map: NameMap, store=dense_store, mesh=None
+def fill_from_source(abstract: nnx.Module, source: WeightSource, name_map: NameMap, store=dense_store, mesh=None
                      ) -> tuple[nnx.Module, list[str]]:
     """Fill an abstract module's parameters from ``source``; returns (module, unused source keys).
 

@@ -15,7 +15,8 @@ from zoo.models.recipes import get_recipe
 from zoo.quant import recipes
 from zoo.quant.recipes import Recipe
 from zoo.quant.storage import dense_store
-from zoo.sources.gguf import SPLIT_NAME, GGUFSource
+from zoo.sources.gguf import GGUFSource
+from zoo.sources.gguf_header import SPLIT_NAME
 from zoo.sources.views import MixedSource, Part
 
 

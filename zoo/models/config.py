@@ -9,7 +9,6 @@ nested form are accepted. This module holds what every architecture's config sha
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any

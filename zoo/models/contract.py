@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from zoo.models.shared.cache import MTPCache, ModelCache
+from zoo.models.shared.cache import ModelCache, MTPCache
 
 
 @runtime_checkable

@@ -18,8 +18,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from zoo.sharding.mesh import current_mesh
 from zoo.ops.matmul import precision_for
+from zoo.sharding.mesh import current_mesh
 
 # stored-bank type -> fn(x [N, D], weights [N, k], ids [N, k], gate, up, down, limit) -> [N, D]
 _MOE_IMPLS: dict[type, Callable] = {}

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zoo.sharding.mesh import ShardingRule, partition_spec, register_sharding
 from zoo.ops.matmul import dense_matmul, register_matmul
 from zoo.ops.moe import dense_moe, register_moe
 from zoo.quant.storage import dense_store
+from zoo.sharding.mesh import ShardingRule, partition_spec, register_sharding
 from zoo.sources.names import layout_transform
 
 

@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zoo.kernels import dispatch
-from zoo.sharding.mesh import ShardingRule, partition_spec, register_sharding, shard_shape
 from zoo.formats import planes as P
 from zoo.formats.dequant import dequantize_jnp
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType, qtype_of
+from zoo.kernels import dispatch
 from zoo.ops.matmul import register_matmul
 from zoo.ops.moe import register_moe
+from zoo.sharding.mesh import ShardingRule, partition_spec, register_sharding, shard_shape
 
 InOrder = tuple[tuple[int, ...], tuple[int, ...]]
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zoo.quant import int8, storage
 from zoo.formats.ggml import QType
+from zoo.quant import int8, storage
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from gguf import quants as gq
 
 from zoo.formats.dequant import dequantize
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType
-from zoo.sources.names import Transform, apply_transform, layout_transform
 from zoo.quant.qarray import QArray
 from zoo.sources.base import SourceError
+from zoo.sources.names import Transform, apply_transform, layout_transform
 
 Store = Callable[..., "jax.Array | QArray"]
 

@@ -20,8 +20,8 @@ from typing import AsyncIterator
 
 import jinja2
 
-from zoo.serving.errors import ApiError
 from zoo.serving.engine_thread import TICK, EngineThread, Job
+from zoo.serving.errors import ApiError
 from zoo.serving.reasoning import CLOSE, Reasoning, ReasoningParser, Text, partial_suffix, prompt_opens_reasoning
 from zoo.serving.tool_parsers import PARSERS, ToolCallArgs, ToolCallStart, ToolParser, call_prefix
 

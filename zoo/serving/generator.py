@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zoo.sharding.mesh import on_mesh
-from zoo.sharding.cache_axes import cache_shardings, shard_cache
 from zoo.serving import speculative
 from zoo.serving.sampling import sample
 from zoo.serving.thinking import ThinkingBudget
+from zoo.sharding.cache_axes import cache_shardings, shard_cache
+from zoo.sharding.mesh import on_mesh
 
 PREFILL_CHUNK = 1024
 PREFILL_MIN = 16

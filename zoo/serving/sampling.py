@@ -40,7 +40,7 @@ def probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: ja
     rep = flat.shape[1]
     filtered = jax.lax.cond(   # the sorts over the vocabulary only run when some row filters
         jnp.any((top_k > 0) | (top_p < 1.0)),
-        lambda: jax.vmap(lambda l, k, p: filter_logits(l, jnp.full((rep,), k), jnp.full((rep,), p)))(
+        lambda: jax.vmap(lambda row, k, p: filter_logits(row, jnp.full((rep,), k), jnp.full((rep,), p)))(
             flat, top_k, top_p),
         lambda: flat)
     return jax.nn.softmax(filtered, axis=-1).reshape(shape)

@@ -24,9 +24,9 @@ from starlette.exceptions import HTTPException
 
 from zoo.serving import anthropic_api, openai_api
 from zoo.serving.chat import Service
-from zoo.serving.generator import Generator
-from zoo.serving.errors import ApiError
 from zoo.serving.engine_thread import EngineThread
+from zoo.serving.errors import ApiError
+from zoo.serving.generator import Generator
 from zoo.serving.metrics import CountRequests, Metrics
 from zoo.serving.tool_parsers import PARSERS, detect_format
 

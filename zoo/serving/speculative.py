@@ -59,8 +59,8 @@ def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
 
 
-def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array, params: dict, k: int,
-              force: jax.Array | None = None, cap: jax.Array | None = None):
+def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
+              params: dict, k: int, force: jax.Array | None = None, cap: jax.Array | None = None):
     """One speculative decode step for every row (see module docstring).
 
     pending: ``{"h": [B, k+1, D], "tok": [B, k+1] int32, "n": [B] int32}`` rows for the MTP;

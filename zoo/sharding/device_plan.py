@@ -15,9 +15,9 @@ import re
 
 from jax.sharding import AbstractMesh
 
-from zoo.sharding.mesh import Axes, get_layout, partition_spec
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 from zoo.formats.planes import plane_nbytes
+from zoo.sharding.mesh import Axes, get_layout, partition_spec
 
 _MLP = {f"ffn_{p}{s}": (("embed", "mlp") if p == "down" else ("mlp", "embed"))
         for p in ("gate", "up", "down") for s in ("", "_shexp")}

@@ -8,7 +8,7 @@ most once per value, and a dimension that the mesh axis does not divide (in whol
 quantization blocks) stays replicated (correct, just not split). A logical name missing from the
 table is an error, so a new axis cannot be silently replicated.
 
-Layouts (REFERENCE.md section 4 has the two ways of splitting the routed experts):
+Layouts (docs/reference.md section 4 has the two ways of splitting the routed experts):
     "tp"  one mesh axis ``tp`` over all devices: attention / KDA / DeltaNet heads, MLP width, the
           width of every routed expert (gate/up by output rows, down by input blocks) and the
           vocabulary are split; the residual stream, latent and LoRA dims are replicated.
@@ -18,7 +18,8 @@ Layouts (REFERENCE.md section 4 has the two ways of splitting the routed experts
 Stored-weight types other than plain arrays (``QArray`` planes, int8 + scales) register how their
 leaves follow the logical spec (``register_sharding``), as they register their matmul.
 
-Inside a jitted program, ``constrain_tree`` pins cache leaves to their layout. The weights' layout
+Inside a jitted program, ``zoo.sharding.cache_axes.shard_cache`` pins cache arrays to their layout
+(typed cache containers carry their logical axes). The weights' layout
 propagates through the activations on its own (XLA partitions dense products); stored weights
 (QArray planes, int8) and routed experts run per device under ``shard_map`` (``zoo.sharding.shard_ops``).
 Both read the mesh set by ``jax.set_mesh`` (``on_mesh``) and do nothing without a multi-device mesh.
@@ -94,7 +95,7 @@ def mesh_layout(mesh) -> Layout:
         if tuple(mesh.axis_names) == lay.axis_names:
             return lay
     raise ValueError(f"mesh axes {tuple(mesh.axis_names)} match no layout; known: "
-                     f"{ {n: l.axis_names for n, l in MESH_LAYOUTS.items()} }")
+                     f"{ {n: lay.axis_names for n, lay in MESH_LAYOUTS.items()} }")
 
 
 def resolve_mesh(mesh) -> Mesh | None:
@@ -216,16 +217,6 @@ def current_mesh():
     """The mesh set by ``jax.set_mesh`` while tracing, or None (no mesh, or a single device)."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty or mesh.size == 1 else mesh
-
-
-def constrain_tree(tree, axes_of: Callable[[Any, Any], Axes]):
-    """Pin every leaf of ``tree`` to its layout on the current mesh (identity without one);
-    ``axes_of(key path, leaf)`` gives a leaf's logical axes."""
-    mesh = current_mesh()
-    if mesh is None:
-        return tree
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.lax.with_sharding_constraint(x, partition_spec(axes_of(p, x), tuple(x.shape), mesh)), tree)
 
 
 def on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:

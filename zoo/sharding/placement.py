@@ -37,8 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zoo.sharding.mesh import partition_spec, sharding_rule
 from zoo.formats.ggml import BLOCK_LAYOUTS
+from zoo.sharding.mesh import partition_spec, sharding_rule
 from zoo.sources.names import Transform, layout_transform
 
 Index = tuple[slice, ...]

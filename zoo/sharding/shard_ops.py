@@ -1,5 +1,5 @@
 """Stored weights on a device mesh: each device computes with its own shards (``shard_map``), then
-one all-reduce where the split was along a contracted axis (REFERENCE.md section 4).
+one all-reduce where the split was along a contracted axis (docs/reference.md section 4).
 
 Dense weights need none of this: XLA partitions ``jnp.dot`` by the weights' shardings. A stored
 weight type (QArray planes, int8 + scales) is computed by its registered implementation, which may

@@ -11,7 +11,6 @@ maps live in its package (``zoo.models.<arch>.weights``), built by a function of
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, NamedTuple

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from zoo.sources.base import SourceError
+from zoo.sources.gguf_header import SPLIT_NAME, check_header
 
 HEADER_FIRST = 1 << 16           # first header fetch; grows 4x until the whole header is in
 HEADER_MAX = 512 << 20           # a header that does not parse within this many bytes is corrupt
@@ -103,7 +104,8 @@ class RemoteFile:
         r = self._get(0, 1)
         total = r.headers.get("content-range", "").rpartition("/")[2]
         if not total.isdigit():
-            raise SourceError(f"{self.ref}: the server gave no file size (Content-Range {r.headers.get('content-range')!r})")
+            raise SourceError(f"{self.ref}: the server gave no file size "
+                              f"(Content-Range {r.headers.get('content-range')!r})")
         self.fetched_bytes += len(r.content)
         return int(total), r.headers.get("x-linked-etag") or r.headers.get("etag")
 
@@ -159,7 +161,6 @@ class RemoteGGUF:
     """A remote GGUF file or split set, mirrored; ``path`` is the local first shard to open."""
 
     def __init__(self, ref: str, session=None):
-        from zoo.sources.gguf import SPLIT_NAME
 
         base, _, name = ref.rpartition("/")
         mirror_dir = _cache_root() / hashlib.sha256(base.encode()).hexdigest()[:16]
@@ -185,7 +186,6 @@ class RemoteGGUF:
         """Fetch a growing prefix until the header parses within the fetched bytes."""
         import numpy as np
 
-        from zoo.sources.gguf import check_header
 
         have = min(f.size, HEADER_FIRST)
         while True:

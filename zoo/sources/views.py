@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 
 from zoo.formats.dequant import dequantize
-from zoo.sources.names import Join, NameMap, Target
 from zoo.sources.base import SourceError
+from zoo.sources.names import Join, NameMap, Target
 
 
 @dataclass(frozen=True)

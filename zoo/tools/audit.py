@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from zoo.formats.dequant import dequantize
-from zoo.sources.gguf import GGUFSource
 from zoo.sources.base import SourceError
+from zoo.sources.gguf import GGUFSource
 
 N_COLS = 64
 SEED = 0

@@ -15,7 +15,7 @@ GGUF files. Each tensor gets a storage kind from the recipe (``zoo.quant.recipes
 
 Per device (``devices`` chips in a ``zoo.sharding.mesh`` layout, "tp" or "ep"): every tensor is split as
 ``zoo.load(..., mesh=...)`` places it (``zoo.sharding.device_plan``): in "tp" the routed-expert banks
-are split as REFERENCE.md section 4 describes (gate/up by output rows, down by input blocks; every
+are split as docs/reference.md section 4 describes (gate/up by output rows, down by input blocks; every
 chip holds a slice of every expert), in "ep" by expert over ``ep`` and by width over ``tp``; a
 quantized bank is counted in the plane layout of one device's slice (``plane_nbytes``, which adds
 the packing padding of the f16/u16 fields); what the layout does not split is replicated.
@@ -29,12 +29,12 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from zoo.models.architectures import architecture
-from zoo.models.shared.inventory import Tensor
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType, tensor_nbytes
-from zoo.sharding.device_plan import per_device_bytes, plan_mesh
+from zoo.models.architectures import architecture
 from zoo.models.recipes import get_recipe
+from zoo.models.shared.inventory import Tensor
 from zoo.quant.recipes import Recipe
+from zoo.sharding.device_plan import per_device_bytes, plan_mesh
 
 FP8_BLOCK = 128
 
@@ -156,8 +156,8 @@ def plan_gguf(path, devices: int = 8, quant: str | None = None, layout: str = "t
     architecture's inventory; a tensor it does not list is class ``"other"``."""
     from pathlib import Path
 
-    from zoo.sources.gguf import GGUFSource
     from zoo.loader.gguf_model import config_from_gguf
+    from zoo.sources.gguf import GGUFSource
 
     src = GGUFSource(path)
     cfg = config_from_gguf(src)

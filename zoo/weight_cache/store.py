@@ -22,8 +22,9 @@ sources are on this machine, the sources match too; otherwise the load rebuilds 
 Restoring builds the abstract model first and targets each leaf's ``NamedSharding`` on the
 requested mesh (never the layout it was saved with), so a cache written on one mesh restores on
 another: a group is read to host memory, its digests are checked, then each leaf is placed on its
-sharding. Single host: the host reads whole groups (as the loader reads whole tensors). Caches are also found (read-only) under the search roots, by default every dataset
-folder in ``/kaggle/input`` (``ZOO_CACHE_SEARCH`` = colon-separated roots overrides it).
+sharding. Single host: the host reads whole groups (as the loader reads whole tensors). Caches are
+also found (read-only) under the search roots, by default every dataset folder in ``/kaggle/input``
+(``ZOO_CACHE_SEARCH`` = colon-separated roots overrides it).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ from zoo.sharding.mesh import value_specs
 from zoo.text.tokenizer import Tokenizer
 
 MANIFEST = "manifest.json"
-CACHE_FORMAT = 4     # 4: package layout of zoo 0.2 (config classes, architecture ids); 3: + the size of every state file; 2: zarr2 + OCDBT without zstd; 1: zarr3 + zstd
+# 4: the package layout of the redesign (config classes, architecture ids); 3: + the size of every state
+# file; 2: zarr2 + OCDBT without zstd; 1: zarr3 + zstd
+CACHE_FORMAT = 4
 HASHED_BYTES = 16 * 2**20
 DEFAULT_SEARCH_ROOTS = ("/kaggle/input",)
 # Stored-weight types a manifest may name (a cache is data: nothing else is ever instantiated).

@@ -4,24 +4,22 @@ block against a numpy MTP, the config read from the metadata, and errors."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from gguf import quants as gq
 
 import zoo
-from tests.support import glm_reference as ref
+from tests.models.glm53 import reference as ref
 from tests.support.gguf_files import dequantized, metadata_of, write_dense_copy, write_gguf
-from tests.support.helpers import rel_err
 from tests.support.gguf_fixtures import GLM_FIXTURES
-from zoo.models.config import config_from_hf
+from tests.support.helpers import rel_err
+from tests.support.paths import DATA
 from zoo.formats.ggml import QType
-from zoo.sources.gguf import GGUFSource
 from zoo.loader.gguf_model import config_from_gguf
+from zoo.models.config import config_from_hf
 from zoo.quant.qarray import QArray
 from zoo.sources.base import SourceError
-from tests.support.paths import DATA
+from zoo.sources.gguf import GGUFSource
 
 Q256 = DATA / "glm53-q256-udmix.gguf"
 TINY_MTP = DATA / "glm53-tiny-mtp-f32.gguf"

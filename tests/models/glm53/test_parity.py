@@ -1,8 +1,8 @@
 """GLM-5.3 in zoo vs transformers' Glm5NextForConditionalGeneration (PyTorch, CPU, float32), same
 weights; plus cache paths, left padding, the MTP layer, FP8 / int8 loading and bad checkpoints.
 
-Oracle (DESIGN.md): max |zoo - torch| <= 1e-4 * max |torch logit|. The reference's discrete choices
-(router top-k, indexer top-k pools) are checked to have margins, so agreement is not luck.
+Oracle (docs/reference.md, "Design: test oracles"): max |zoo - torch| <= 1e-4 * max |torch logit|. The
+reference's discrete choices (router top-k, indexer top-k pools) are checked to have margins, so agreement is not luck.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import zoo
-from tests.support import glm_reference as ref
+from tests.models.glm53 import reference as ref
 from zoo.sources.base import SourceError
 
 SEQ = 80          # > 64: crosses the delta-rule chunks of both implementations and many indexer pools
@@ -171,7 +171,8 @@ def test_left_padded_batch_gives_each_row_its_own_logits(checkpoint):
 def test_mtp_matches_numpy_reference(glm_a):
     c = glm_a
     tm, ids = c["torch"], c["ids"]
-    mtp = {k: v for k, v in ref.read_all(c["path"]).items() if f".layers.{tm.config.text_config.num_hidden_layers}." in k}
+    mtp_layer = f".layers.{tm.config.text_config.num_hidden_layers}."
+    mtp = {k: v for k, v in ref.read_all(c["path"]).items() if mtp_layer in k}
     sd = tm.state_dict()
     theirs, margins = ref.numpy_mtp_logits(ids, c["hidden"], sd["model.language_model.embed_tokens.weight"].numpy(),
                                            sd["lm_head.weight"].numpy(), mtp, tm.config.text_config)

@@ -1,6 +1,6 @@
 """Qwen3.8 in zoo vs transformers' Qwen3_5ForCausalLM (PyTorch, CPU, float32), same weights.
 
-Oracle (DESIGN.md): max |zoo - torch| <= 1e-4 * max |torch logit|.
+Oracle (docs/reference.md, "Design: test oracles"): max |zoo - torch| <= 1e-4 * max |torch logit|.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 
 import zoo
-from tests.support import qwen_reference as ref
+from tests.models.qwen38 import reference as ref
 from tests.support.helpers import jit_forward, rel_err
 
 SEQ = 80  # > 64: the chunked delta rule crosses a chunk boundary

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from zoo.models.config import ConfigError, rope_field, text_part
+from zoo.models.config import ConfigError, text_part
 
 
 def _indexer_types(t: dict[str, Any], n_layers: int) -> list[str]:

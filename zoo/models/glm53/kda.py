@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.kernels import linear_attention
+from zoo.models.shared.layers import Linear, causal_depthwise_conv, conv_state_steps, param, rms_normalize, take_step
 from zoo.sharding.cache_axes import CacheState, cache_state
-from zoo.models.shared.layers import (Linear, causal_depthwise_conv, conv_state_steps, param, rms_normalize,
-                               take_step)
 
 PROJECTIONS = ("q", "k", "v")
 

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.models.shared.kv_slots import write_slots
-from zoo.sharding.cache_axes import CacheState, cache_state
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param, take_step
 from zoo.ops.matmul import einsum
+from zoo.sharding.cache_axes import CacheState, cache_state
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32_MIN = jnp.finfo(jnp.float32).min
@@ -232,7 +232,8 @@ class MultiLatentAttention(nnx.Module):
         if steps.indexer is None:
             return steps
         ix = steps.indexer
-        return steps.replace(indexer=ix.replace(tail_k=take_step(ix.tail_k, idx), tail_gate=take_step(ix.tail_gate, idx)))
+        tails = dict(tail_k=take_step(ix.tail_k, idx), tail_gate=take_step(ix.tail_gate, idx))
+        return steps.replace(indexer=ix.replace(**tails))
 
     @staticmethod
     def restore(now: LatentCache, mark: LatentCache) -> LatentCache:

@@ -33,12 +33,19 @@ from flax import nnx
 from zoo.models.glm53.config import Glm53Config
 from zoo.models.glm53.hyper import HyperConnection
 from zoo.models.glm53.kda import KimiDeltaAttention
-from zoo.models.shared.layers import Embed, Linear, RMSNorm, SwiGLU
-from zoo.models.glm53.mla import (LatentCache, MultiLatentAttention, PositionMeta, Positions, advance_positions,
-                                  empty_positions, rollback_positions)
+from zoo.models.glm53.mla import (
+    LatentCache,
+    MultiLatentAttention,
+    PositionMeta,
+    Positions,
+    advance_positions,
+    empty_positions,
+    rollback_positions,
+)
+from zoo.models.glm53.moe import MoE
 from zoo.models.shared.cache import ModelCache
 from zoo.models.shared.causal_lm import CausalLM
-from zoo.models.glm53.moe import MoE
+from zoo.models.shared.layers import Embed, Linear, RMSNorm, SwiGLU
 from zoo.models.shared.mtp import MTPHead
 
 

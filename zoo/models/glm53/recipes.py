@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zoo.quant.recipes import GgufPart, Recipe
 
-# Unsloth's UD-IQ3_XXS GGUF of GLM-5.3-Flash: the routed experts' per-layer type mix (REFERENCE.md
+# Unsloth's UD-IQ3_XXS GGUF of GLM-5.3-Flash: the routed experts' per-layer type mix (docs/reference.md
 # section 3; the MTP layer's experts are Q2_K/Q2_K/Q3_K), everything else from the FP8 original.
 _UD_IQ3_XXS_GLM53 = (
     (r"routed_experts:blk\.11\.ffn_(gate|up)_exps", "IQ3_S"),

@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from zoo.sources.names import Combiner, HeadOrder, Join, NameMap, Rule, Transform
+from zoo.sources.names import Combiner, Join, NameMap, Rule
 
 
 def _kv_b_from_k_v(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
@@ -147,7 +147,7 @@ def _glm5next_gguf(num_hidden_layers: int) -> NameMap:
 
 
 def glm5next_gguf_names(cfg) -> NameMap:
-    """llama.cpp's ``glm5next`` / ``glm5-next`` GGUF layout for a ``Glm53Config`` (REFERENCE.md
+    """llama.cpp's ``glm5next`` / ``glm5-next`` GGUF layout for a ``Glm53Config`` (docs/reference.md
     section 1): plain norms (no +1), ``ssm_a`` = ``-exp(A_log)``, KDA convs ``[C, (1,) K]`` (any unit
     dims), ``kv_b`` joined from ``attn_k_b`` + ``attn_v_b``, stacked expert banks ``[E, out, in]``
     ("T" -> ``[E, in, out]``); the MTP block is ``blk.{num_hidden_layers}`` plus its ``nextn.*``

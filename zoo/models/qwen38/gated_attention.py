@@ -142,5 +142,6 @@ class GatedAttention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
         cache = KVCache(k=write_slots(cache.k, k, slots.write_at), v=write_slots(cache.v, v, slots.write_at))
         o = grouped_attention(q, cache.k, cache.v, attention_mask(slots), self.head_dim ** -0.5)
-        o = o.reshape(b, t, self.n_heads * self.head_dim) * jax.nn.sigmoid(gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
+        gate = jax.nn.sigmoid(gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
+        o = o.reshape(b, t, self.n_heads * self.head_dim) * gate
         return self.o_proj(o), cache

@@ -20,9 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.kernels import linear_attention
+from zoo.models.shared.layers import GatedRMSNorm, Linear, causal_depthwise_conv, conv_state_steps, param, take_step
 from zoo.sharding.cache_axes import CacheState, cache_state
-from zoo.models.shared.layers import (GatedRMSNorm, Linear, causal_depthwise_conv, conv_state_steps, param,
-                               take_step)
 
 
 @cache_state

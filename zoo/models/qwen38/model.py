@@ -20,11 +20,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.models.qwen38.config import Qwen38Config
-from zoo.models.qwen38.gated_attention import (GatedAttention, SlotMeta, Slots, advance_slots, empty_slot_meta,
-                                               rollback_slots)
+from zoo.models.qwen38.gated_attention import (
+    GatedAttention,
+    SlotMeta,
+    Slots,
+    advance_slots,
+    empty_slot_meta,
+    rollback_slots,
+)
+from zoo.models.qwen38.gated_deltanet import GatedDeltaNet
 from zoo.models.shared.cache import ModelCache
 from zoo.models.shared.causal_lm import CausalLM
-from zoo.models.qwen38.gated_deltanet import GatedDeltaNet
 from zoo.models.shared.layers import Embed, Linear, RMSNorm, SwiGLU, rotary_tables
 from zoo.models.shared.mtp import MTPHead
 

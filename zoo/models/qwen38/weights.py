@@ -3,11 +3,7 @@ parameter paths of ``zoo.models.qwen38.model.Qwen38`` (with layout transforms)."
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
-
-from zoo.sources.names import Combiner, HeadOrder, Join, NameMap, Rule, Transform
+from zoo.sources.names import HeadOrder, NameMap, Rule, Transform
 
 
 def _qwen35_layer_rules(src: str, dst: str) -> list[Rule]:
@@ -47,7 +43,7 @@ QWEN35_HF = NameMap(
 
 
 def qwen35_gguf_names(cfg) -> NameMap:
-    """llama.cpp's ``qwen35`` GGUF layout for a ``Qwen38Config`` (REFERENCE.md section 2).
+    """llama.cpp's ``qwen35`` GGUF layout for a ``Qwen38Config`` (docs/reference.md section 2).
 
     Numpy-order matrices are ``[out, in]`` ("matmul"); norms are stored ``1 + w`` ("minus_one", all but
     the DeltaNet output norm); ``ssm_a`` is ``-exp(A_log)``; every value-head tensor has its heads

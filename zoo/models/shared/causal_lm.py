@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.models.shared.cache import MTPCache, ModelCache
+from zoo.models.shared.cache import ModelCache, MTPCache
 from zoo.ops.matmul import matmul
 
 

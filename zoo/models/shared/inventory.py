@@ -21,7 +21,3 @@ class Tensor:
     shape: tuple[int, ...]
     cls: str
     matmul: bool = True
-
-    @property
-    def expert_bank(self) -> bool:
-        return self.name.endswith("_exps.weight")

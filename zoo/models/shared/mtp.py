@@ -1,7 +1,7 @@
 """Multi-token-prediction (MTP) head, the structure both models share.
 
 Row t combines the main model's hidden state ``h_t`` with the embedding of the *next* token
-``x_{t+1}`` and predicts ``x_{t+2}`` (the trained convention; REFERENCE.md, "MTP pairing")::
+``x_{t+1}`` and predicts ``x_{t+2}`` (the trained convention; docs/reference.md, "MTP pairing")::
 
     u = fc(concat(embed_norm(embed(x_{t+1})), hidden_norm(h_t)))     [B, T, D]
     u = block(u)           one decoder layer with its own cache (attention over earlier MTP rows)

@@ -2,7 +2,7 @@
 checkpoints (a 1-layer vision tower, text only) with realistic weights, written with
 ``save_pretrained`` plus the MTP layer transformers does not keep (``layers.{N}``), the margins of
 the reference's discrete choices, and a plain numpy implementation of the MTP layer's published
-structure (REFERENCE.md section 1).
+structure (docs/reference.md section 1).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def torch_forward(model, ids: np.ndarray, mask: np.ndarray | None = None):
     return logits.float().numpy(), hidden.float().numpy(), margins
 
 
-# -- numpy MTP (the published structure, REFERENCE.md section 1) ------------------------------------
+# -- numpy MTP (the published structure, docs/reference.md section 1) ------------------------------------
 def _rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
 
@@ -288,7 +288,8 @@ def _moe(x, t, cfg, margins):
         wts = scores[n, ids] / (scores[n, ids].sum() + 1e-20) * cfg.routed_scaling_factor
         for e, wt in zip(ids, wts):
             ex = f"mlp.experts.{e}."
-            out[n] += wt * swiglu(x[n], t[ex + "gate_proj.weight"], t[ex + "up_proj.weight"], t[ex + "down_proj.weight"])
+            out[n] += wt * swiglu(x[n], t[ex + "gate_proj.weight"], t[ex + "up_proj.weight"],
+                                  t[ex + "down_proj.weight"])
     sh = "mlp.shared_experts."
     return out + swiglu(x, t[sh + "gate_proj.weight"], t[sh + "up_proj.weight"], t[sh + "down_proj.weight"])
 

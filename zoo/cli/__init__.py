@@ -5,7 +5,7 @@
     zoo models                       registered model names
     zoo inspect NAME|PATH            config and tensor inventory of a checkpoint, no weights loaded
     zoo plan | audit ...             memory plan, quantization audit (``zoo.tools.cli``)
-    zoo cache build | ls | push | pull   repacked-weight caches and Kaggle datasets (``zoo.weight_cache.cli``)
+    zoo cache build | ls | push | pull   repacked-weight caches and Kaggle datasets (``zoo.cli.cache``)
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from zoo.tools.cli import add_commands
     add_commands(sub)
-    from zoo.weight_cache import cli as cache_cli
-    cache_cli.add_commands(sub)
+    from zoo.cli import cache
+    cache.add_commands(sub)
     return p
 
 

@@ -125,7 +125,7 @@ def torch_hidden(model, ids: np.ndarray) -> np.ndarray:
         return model.model(torch.as_tensor(ids, dtype=torch.long)).last_hidden_state.float().numpy()
 
 
-# -- numpy MTP (the published structure, REFERENCE.md section 2) ------------------------------------
+# -- numpy MTP (the published structure, docs/reference.md section 2) ------------------------------------
 def _rms(x, w, eps):      # zero-centred Qwen RMSNorm
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * (1.0 + w)
 

@@ -1,0 +1,164 @@
+"""The bytes of a GGUF header, validated before ``gguf.GGUFReader`` parses them (the reader loops
+forever on an array whose length runs past the end of the file), and the split-set file names.
+Used by the local source (``zoo.sources.gguf``) and the remote one (``zoo.sources.remote``)."""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from pathlib import Path
+
+from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType
+
+from zoo.formats.ggml import QType
+from zoo.sources.base import SourceError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_DIMS = 4
+MAX_ARRAY_NESTING = 2
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+
+_SCALAR_SIZES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
+                 GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4,
+                 GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4, GGUFValueType.UINT64: 8,
+                 GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
+# Smallest encoding of one array element of each kind (a string is at least its u64 length, an
+# array at least its u32 type and u64 length): bounds the element count by the bytes left.
+_MIN_SIZES = {**_SCALAR_SIZES, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+# ggml float types -> numpy dtype of ``read``; every other type is read as its raw blocks.
+# --- header validation ------------------------------------------------------------------------
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over a file's bytes; errors name the file and the field."""
+
+    def __init__(self, path: Path, data: memoryview):
+        self.path, self.data, self.pos = path, data, 0
+
+    def remaining(self) -> int:
+        return len(self.data) - self.pos
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n > self.remaining():
+            raise SourceError(f"{self.path}: truncated GGUF header: {what} needs {n} bytes at offset "
+                              f"{self.pos}, the file has {len(self.data)}")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def u32(self, what: str) -> int:
+        return struct.unpack("<I", self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack("<Q", self.take(8, what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"the length of {what}")
+        raw = bytes(self.take(n, what))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SourceError(f"{self.path}: {what} is not valid UTF-8") from None
+
+    def value_type(self, what: str) -> GGUFValueType:
+        raw = self.u32(f"the type of {what}")
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise SourceError(f"{self.path}: {what} has unknown GGUF value type {raw}") from None
+
+    def skip_value(self, vtype: GGUFValueType, what: str, depth: int = 0) -> None:
+        if vtype in _SCALAR_SIZES:
+            self.take(_SCALAR_SIZES[vtype], what)
+        elif vtype == GGUFValueType.STRING:
+            self.take(self.u64(f"the length of {what}"), what)
+        else:  # ARRAY
+            if depth >= MAX_ARRAY_NESTING:
+                raise SourceError(f"{self.path}: {what} nests arrays deeper than {MAX_ARRAY_NESTING}")
+            itype = self.value_type(f"the elements of {what}")
+            count = self.u64(f"the length of {what}")
+            if count * _MIN_SIZES[itype] > self.remaining():
+                raise SourceError(f"{self.path}: {what} claims {count} elements, more than the "
+                                  f"{self.remaining()} bytes left in the file")
+            if itype in _SCALAR_SIZES:
+                self.take(count * _SCALAR_SIZES[itype], what)
+            else:
+                for _ in range(count):
+                    self.skip_value(itype, what, depth + 1)
+
+
+def check_header(path: Path, data: memoryview) -> int:
+    """Validate a whole GGUF header and the byte range of every tensor; raise ``SourceError``.
+    Returns where the tensor data starts (the header's end, aligned).
+
+    Checks: magic, version (2 or 3, little-endian), every key/value (known value types, lengths
+    inside the file, no duplicate keys, ``general.alignment`` a power of two), every tensor info
+    (UTF-8 name, no duplicates, 1..4 dims, a known ggml type, rows a whole number of blocks, data
+    aligned and inside the file). Runs in time linear in the header size.
+    """
+    cur = _Cursor(path, data)
+    if bytes(cur.take(4, "the magic")) != MAGIC:
+        raise SourceError(f"{path}: not a GGUF file (bad magic {bytes(data[:4])!r})")
+    version = cur.u32("the version")
+    if version not in VERSIONS:
+        raise SourceError(f"{path}: unsupported GGUF version {version} (supported: {VERSIONS}; "
+                          f"big-endian files are not supported)")
+    n_tensors, n_kv = cur.u64("the tensor count"), cur.u64("the key/value count")
+    alignment, keys = GGUF_DEFAULT_ALIGNMENT, set()
+    for i in range(n_kv):
+        key = cur.string(f"key #{i}")
+        if key in keys:
+            raise SourceError(f"{path}: duplicate metadata key {key!r}")
+        keys.add(key)
+        vtype = cur.value_type(f"key {key!r}")
+        if key == "general.alignment":
+            if vtype != GGUFValueType.UINT32:
+                raise SourceError(f"{path}: general.alignment must be a UINT32, not {vtype.name}")
+            alignment = cur.u32("general.alignment")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise SourceError(f"{path}: general.alignment {alignment} is not a power of two")
+        else:
+            cur.skip_value(vtype, f"the value of key {key!r}")
+    tensors, names = [], set()
+    for i in range(n_tensors):
+        name = cur.string(f"the name of tensor #{i}")
+        if name in names:
+            raise SourceError(f"{path}: duplicate tensor {name!r}")
+        names.add(name)
+        n_dims = cur.u32(f"the rank of tensor {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise SourceError(f"{path}: tensor {name!r} has {n_dims} dims (1..{MAX_DIMS} allowed)")
+        ne = [cur.u64(f"dim {d} of tensor {name!r}") for d in range(n_dims)]
+        raw_type = cur.u32(f"the type of tensor {name!r}")
+        offset = cur.u64(f"the offset of tensor {name!r}")
+        tensors.append((name, ne, raw_type, offset))
+    data_start = -(-cur.pos // alignment) * alignment
+    for name, ne, raw_type, offset in tensors:
+        nbytes = tensor_bytes(path, name, ne, raw_type)
+        if offset % alignment:
+            raise SourceError(f"{path}: tensor {name!r} is at offset {offset}, not a multiple of "
+                              f"the alignment {alignment}")
+        end = data_start + offset + nbytes
+        if end > len(data):
+            raise SourceError(f"{path}: tensor {name!r} needs bytes up to {end}, the file has "
+                              f"{len(data)} (truncated?)")
+    return data_start
+
+
+def tensor_bytes(path: Path, name: str, ne: list[int], raw_type: int) -> int:
+    """Bytes of a tensor with ggml dims ``ne`` and type id ``raw_type``; ``SourceError`` if invalid."""
+    try:
+        qtype = QType(raw_type)
+        block, size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise SourceError(f"{path}: tensor {name!r} has unknown ggml type {raw_type}") from None
+    if ne[0] % block:
+        raise SourceError(f"{path}: tensor {name!r} ({qtype.name}) has rows of {ne[0]} weights, not a "
+                          f"multiple of the block size {block}")
+    return math.prod(ne) // block * size
+
+
+# --- the source -------------------------------------------------------------------------------
