@@ -22,7 +22,7 @@ from typing import Any
 # part -> "module:attribute" inside an architecture's package
 PARTS = {
     "config": "config:CONFIG",              # the frozen config dataclass (``from_hf``)
-    "model": "model:MODEL",                 # the NNX module class (``zoo.models.contract.CausalLM``)
+    "model": "model:MODEL",                 # the NNX module class (a ``zoo.models.shared.causal_lm.CausalLM``)
     "hf_names": "weights:hf_names",         # fn(config) -> NameMap of the HF safetensors checkpoint
     "gguf_names": "weights:gguf_names",     # fn(config) -> NameMap of llama.cpp's GGUF
     "gguf_fields": "gguf_config:hf_fields",  # fn(GGUFSource) -> HF config.json fields

@@ -20,15 +20,12 @@ from safetensors.numpy import save_file
 
 import zoo
 from tests.models.glm53 import reference as ref
+from tests.support.helpers import rel_err
 from zoo.sources.base import SourceError
 
 SEQ = 80          # > 64: crosses the delta-rule chunks of both implementations and many indexer pools
 PREFIX = 38       # prefill length: not a multiple of either pool size, so the cache carries a tail pool
 MARGIN = 1e-5     # smallest allowed gap at the reference's top-k boundaries
-
-
-def rel_err(ours: np.ndarray, theirs: np.ndarray) -> float:
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
 
 
 def _step_impl(graphdef, state, ids, mask, cache):
