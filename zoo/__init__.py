@@ -9,10 +9,10 @@ __version__ = "0.1.0"
 __all__ = ["load", "list_models", "plan", "Model"]
 
 
-def load(name_or_path, *, quant=None, mesh=None, cache=None, dtype="bfloat16"):
-    """Load a model (see ``zoo.api.load``)."""
+def load(name_or_path, *, quant=None, mesh=None, cache=None, dtype="bfloat16", weights=True):
+    """Load a model (see ``zoo.api.load``; ``weights=False``: the abstract model, no file read)."""
     from zoo.api import load as _load
-    return _load(name_or_path, quant=quant, mesh=mesh, cache=cache, dtype=dtype)
+    return _load(name_or_path, quant=quant, mesh=mesh, cache=cache, dtype=dtype, weights=weights)
 
 
 def plan(name, *, quant, devices=8, layout="tp"):

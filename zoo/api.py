@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from zoo import registry
+from zoo.loader.abstract import abstract_load
 from zoo.loader.fill import fill_from_source
 from zoo.loader.gguf_model import gguf_architecture, open_gguf
 from zoo.loader.recipes import recipe_of, sources_for, store_for, whole_gguf
@@ -131,17 +132,30 @@ def _open(ckpt: Path, quant: str | None, dtype: str):
     return source, cfg, name_map, tokenizer, store_for(quant, cfg.arch, dtype), "safetensors"
 
 
+def _load_abstract(name_or_path, quant: str | None, mesh, dtype: str) -> "Model":
+    """``load(..., weights=False)``: the model with abstract parameters of their stored kinds, placed
+    on ``mesh`` (``zoo.loader.abstract.abstract_load``)."""
+    module, cfg = abstract_load(name_or_path, quant, _dtype(dtype), mesh)
+    info = {"source": "abstract", "dtype": dtype, "quant": quant, "mesh": None if mesh is None else dict(mesh.shape),
+            "unused_tensors": []}
+    return Model(module, cfg, None, info, mesh=mesh)
+
+
 def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache=None,
-         dtype="bfloat16") -> "Model":
+         dtype="bfloat16", weights: bool = True) -> "Model":
     """Load a model by registry name, local HF checkpoint directory or GGUF file (see module doc).
 
     ``quant``: a recipe of the model's architecture (``zoo.models.recipes.recipes_for``), or None
     (the source as stored). ``cache``: a directory for the repacked-weight cache
     (``zoo.weight_cache``): a matching entry there (or under the search roots, e.g. /kaggle/input)
     is restored; otherwise the model is loaded from its sources and, with ``cache`` given, saved there.
+    ``weights=False``: the abstract model (no weight file read, nothing allocated; ``_load_abstract``),
+    for lowering and compiling the model's programs for a target (``zoo.tools.compile``).
     """
     dtype_name = jnp.dtype(_dtype(dtype)).name
     mesh = resolve_mesh(mesh)
+    if not weights:
+        return _load_abstract(name_or_path, quant, mesh, dtype_name)
     known = BY_MODEL_NAME.get(str(name_or_path))
     if known is not None and not Path(name_or_path).expanduser().exists():
         recipe_of(quant, known.id)                           # an unknown recipe fails before any download

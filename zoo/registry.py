@@ -7,6 +7,7 @@ needs; interrupted downloads resume).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -65,6 +66,16 @@ def list_models() -> list[str]:
 def preset_path(preset: str) -> Path:
     """The file of a config preset in ``configs/`` (shipped as the ``zoo.configs`` package)."""
     return Path(str(resources.files("zoo.configs").joinpath(preset)))
+
+
+def preset_config(spec: ModelSpec):
+    """The frozen config of a spec's preset (``configs/``): the real shape, no download."""
+    from zoo.models.config import config_from_hf
+
+    if spec.preset is None:
+        raise ValueError(f"model {spec.name!r} has no config preset")
+    path = preset_path(spec.preset)
+    return config_from_hf(json.loads(path.read_text()), source=str(path))
 
 
 def embedded_path(name: str) -> Path:

@@ -175,10 +175,23 @@ class _Dict:
 
 
 def test_stacked_expert_slices_read_only_what_a_device_needs():
+    """A plain matmul bank is viewed as stored ``[E, out, in]`` (the store applies the swap, as for a
+    GGUF bank); any other transform is applied by the view, which then holds the parameter layout.
+    Either way a device's slice reads only its experts' parts."""
     experts = {f"e.{i}.w": np.random.default_rng(i).standard_normal((16, 8)).astype(np.float32) for i in range(4)}
     source = _Dict(experts)
-    target = Target("experts.w", "matmul", 0, (2, 3))
-    view = StackedSlices(source, list(experts), target, jax.ShapeDtypeStruct((4, 8, 16), np.float32))
+    view = StackedSlices(source, list(experts), Target("experts.w", "matmul", 0, (2, 3)),
+                         jax.ShapeDtypeStruct((4, 8, 16), np.float32))
+    assert view.store_transform == "matmul" and view.info(view.name).shape == (4, 16, 8)
+    part = view.read(view.name, (slice(1, 3), slice(4, 12), slice(0, 8)))
+    assert np.array_equal(part, np.stack([experts[f"e.{i}.w"][4:12, :] for i in (1, 2)]))
+    assert source.reads == [("e.1.w", (8, 8)), ("e.2.w", (8, 8))]
+    assert np.array_equal(view.read(view.name), np.stack(list(experts.values())))
+
+    source.reads.clear()
+    view = StackedSlices(source, list(experts), Target("experts.w", "transposed", 0, (2, 3)),
+                         jax.ShapeDtypeStruct((4, 8, 16), np.float32))
+    assert view.store_transform is None and view.info(view.name).shape == (4, 8, 16)
     part = view.read(view.name, (slice(1, 3), slice(0, 8), slice(4, 12)))
     assert np.array_equal(part, np.stack([experts[f"e.{i}.w"].T[:, 4:12] for i in (1, 2)]))
     assert source.reads == [("e.1.w", (8, 8)), ("e.2.w", (8, 8))]

@@ -93,3 +93,10 @@ def test_sharded_load_stays_under_a_host_memory_budget(tmp_path, budget):
     path = write_random_checkpoint(tmp_path / "big", QWEN_BIG, seed=3)
     r = run_check("memory", path=str(path), budget=budget)
     assert r["model_bytes"] > 2 * budget and r["transient"] < budget
+
+
+def test_abstract_load_places_like_the_real_load():
+    """``zoo.load(..., weights=False)`` on 8 devices: every leaf of every parameter has the kind,
+    shape, dtype and sharding the real load places (QArray packing per device included)."""
+    per_device = run_check("abstract")
+    assert len(per_device) == 12 and all(b > 0 for b in per_device.values())

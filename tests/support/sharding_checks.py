@@ -217,7 +217,27 @@ def memory(path: str, budget: int) -> dict:
     return out
 
 
-CHECKS = {"glm": glm, "qwen": qwen, "quantized": quantized, "memory": memory}
+def abstract() -> dict:
+    """The abstract load on a mesh has the leaves and the shardings of the real load (both tiny models,
+    plain / Q8_0 / int8, "tp" and "ep")."""
+    from tests.support.abstract_checks import differences
+    from zoo.loader.abstract import shard_bytes
+
+    out = {}
+    for name in ("qwen38-tiny", "glm53-tiny"):
+        for quant in (None, "Q8_0", "int8"):
+            for layout in ("tp", "ep"):
+                mesh = make_mesh(layout)
+                real = zoo.load(name, quant=quant, dtype="float32", mesh=mesh)
+                ghost = zoo.load(name, quant=quant, dtype="float32", mesh=mesh, weights=False)
+                diff = differences(ghost, real, shardings=True)
+                assert not diff, f"{name} {quant} {layout}: " + "\n".join(diff[:5])
+                assert shard_bytes(ghost.module) == shard_bytes(real.module)
+                out[f"{name}/{quant}/{layout}"] = shard_bytes(real.module)
+    return out
+
+
+CHECKS = {"glm": glm, "qwen": qwen, "quantized": quantized, "memory": memory, "abstract": abstract}
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, f"expected 8 virtual devices, got {jax.device_count()} (XLA_FLAGS)"

@@ -17,49 +17,59 @@ from flax import nnx
 from zoo.quant.storage import dense_store
 from zoo.sharding.placement import full_index, place, source_index
 from zoo.sources.base import SourceError, TensorInfo, WeightSource
-from zoo.sources.names import NameMap, Target, apply_transform, layout_transform
+from zoo.sources.names import NameMap, Target, apply_transform
 
 
 class StackedSlices:
-    """A one-tensor source view: the source tensors ``keys[i]`` (each through ``target.transform``)
-    stacked along a new first axis, for a parameter filled slice by slice (a ``Rule`` with ``index``).
-    Its only key is ``name`` (the slices' name with ``*`` for the index)."""
+    """A one-tensor source view: the source tensors ``keys[i]`` stacked along a new first axis, for a
+    parameter filled slice by slice (a ``Rule`` with ``index``, e.g. one tensor per expert). Its only
+    key is ``name`` (the slices' name with ``*`` for the index).
+
+    Float slices of a plain matmul weight (transform "matmul") are stacked as stored, ``[E, out,
+    in]``, and the view hands that transform on (``store_transform``): every storage function then
+    sees the bank as it sees a GGUF bank (and may quantize it). Any other transform is applied to
+    each slice here, and the view holds the parameter layout (``store_transform`` None)."""
 
     def __init__(self, source, keys: list[str], target: Target, want: jax.ShapeDtypeStruct):
         self.source, self.slice_keys, self.target, self.want = source, keys, target, want
         self.name = target.sibling(keys[0], "*")
+        first = source.info(keys[0])
+        keeps = target.transform == "matmul" and not getattr(first, "quantized", False)
+        self.slice_transform = None if keeps else target.transform
+        self.store_transform = target.transform if keeps else None
+        self.shape = (len(keys), *first.shape) if keeps else tuple(want.shape)
 
     def keys(self) -> list[str]:
         return [self.name]
 
     def info(self, key: str) -> TensorInfo:
-        return TensorInfo(self.source.info(self.slice_keys[0]).dtype, tuple(self.want.shape))
+        return TensorInfo(self.source.info(self.slice_keys[0]).dtype, self.shape)
 
     def read(self, key: str, index=()) -> np.ndarray:
         """``stacked[index]``; for slices of a float source through a re-indexing transform, only the
         selected slices' selected parts are read."""
-        index = full_index(index, len(self.want.shape))
+        index = full_index(index, len(self.shape))
         if not all(isinstance(i, slice) for i in index):
             return self._read_part(range(len(self.slice_keys)), ())[index]
         return self._read_part(range(len(self.slice_keys))[index[0]], index[1:])
 
     def _read_part(self, picks: range, inner: tuple) -> np.ndarray:
-        shape = tuple(self.want.shape[1:])
+        shape = self.shape[1:]
         inner = full_index(inner, len(shape))
         stacked = None
         for n, i in enumerate(picks):
             k = self.slice_keys[i]
             info = self.source.info(k)
             axes = None if getattr(info, "quantized", False) else source_index(
-                self.target.transform, tuple(range(len(shape))))
+                self.slice_transform, tuple(range(len(shape))))
             if axes is not None and tuple(shape[a] for a in axes) == tuple(info.shape):
-                part = apply_transform(self.target.transform, self.source.read(k, tuple(inner[a] for a in axes)))
+                part = apply_transform(self.slice_transform, self.source.read(k, tuple(inner[a] for a in axes)))
             else:
-                part = apply_transform(self.target.transform, self.source.read(k))
+                part = apply_transform(self.slice_transform, self.source.read(k))
                 if part.shape != shape:
                     raise SourceError(f"tensor {k!r} has shape {tuple(info.shape)}; slice {i} of parameter "
                                       f"{self.target.path} needs {shape} (after layout transform "
-                                      f"{self.target.transform!r})")
+                                      f"{self.slice_transform!r})")
                 part = part[inner]
             if stacked is None:
                 stacked = np.empty((len(picks),) + part.shape, part.dtype)
@@ -113,8 +123,7 @@ def fill_from_source(abstract: nnx.Module, source: WeightSource, name_map: NameM
         filled.add(hit.path)
     for path, (target, slices) in sliced.items():
         view = _stacked_view(source, slices, target, params[path].get_value())
-        stacked = "matmul_in_layout" if layout_transform(target.transform).matmul else None
-        _fill(params[path], store, view, view.name, stacked, path, mesh)
+        _fill(params[path], store, view, view.name, view.store_transform, path, mesh)
         filled.add(path)
     missing = sorted(set(params) - filled)
     if missing:

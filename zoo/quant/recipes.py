@@ -24,9 +24,10 @@ A recipe has
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from zoo.formats.ggml import QType
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 from zoo.quant import int8, storage
 
 
@@ -50,6 +51,20 @@ class Recipe:
     dtype: str | None = None
     gguf_part: GgufPart | None = None
     whole_gguf: str | None = None
+
+    def kind_of(self, tensor) -> str:
+        """The storage kind of an inventory tensor (``.cls``, ``.name``, numpy-order ``.shape``,
+        ``.matmul``) under this recipe: the first ``plan`` rule matching ``"{class}:{name}"``; a block
+        type only for a matmul matrix of whole blocks, "FP8" / "INT8" only for a matmul matrix, else
+        ``fallback``."""
+        key = f"{tensor.cls}:{tensor.name}"
+        kind = next((k for pattern, k in self.plan if re.match(pattern, key)), self.fallback)
+        if kind in QType.__members__ and BLOCK_LAYOUTS[QType[kind]].block_size > 1:
+            if not tensor.matmul or tensor.shape[-1] % BLOCK_LAYOUTS[QType[kind]].block_size:
+                return self.fallback
+        if kind in ("FP8", "INT8") and not tensor.matmul:
+            return self.fallback
+        return kind
 
 
 GENERIC_RECIPES: dict[str, Recipe] = {r.name: r for r in [

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo.serving import speculative
 from zoo.serving.sampling import sample
@@ -186,6 +187,28 @@ class Generator:
             tokens, n = new[:, None], active.astype(jnp.int32)
         params = {**params, "step": params["step"] + active.astype(jnp.int32)}
         return {"cache": shard_cache(cache), "carry": carry, "params": params}, tokens, n
+
+    # -- ahead of time ------------------------------------------------------------------------
+    def program(self, name: str, keep_unused: bool = False):
+        """The jitted device program ``name`` ("decode": ``(state, batch, active, force, cap)``, the
+        batch donated; "prefill": ``(state, ids, mask, next_ids, next_mask, cache)``, the cache donated),
+        not wrapped in the model's mesh: lower it under ``jax.set_mesh`` (``zoo.serving.aot``).
+        ``keep_unused``: the weights a program does not read stay arguments (resident memory)."""
+        impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (5,))}[name]
+        return jax.jit(impl, donate_argnums=donate, keep_unused=keep_unused)
+
+    def abstract_batch(self, rows: int, length: int) -> dict:
+        """The batch state for ``rows`` x ``length`` slots as ShapeDtypeStructs with their shardings
+        on the model's mesh (cache leaves by their logical axes, the rest replicated)."""
+        mesh = getattr(self.model, "mesh", None)
+        shapes = on_mesh(lambda: jax.eval_shape(lambda: self._empty_impl(rows, length)), mesh)()
+        if mesh is None:
+            return shapes
+        replicated = NamedSharding(mesh, PartitionSpec())
+        with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)   # noqa: E731
+        cache = jax.tree.map(with_sharding, shapes["cache"], cache_shardings(shapes["cache"], mesh))
+        rest = {k: jax.tree.map(lambda x: with_sharding(x, replicated), v) for k, v in shapes.items() if k != "cache"}
+        return {"cache": cache, **rest}
 
     # -- admission ----------------------------------------------------------------------------
     def cache_bytes(self, rows: int, length: int) -> int:

@@ -56,8 +56,6 @@ TRANSFORMS: dict[str | None, LayoutTransform] = {
     "matmul": LayoutTransform(_swap_last_two, reindex="swap", matmul=True),
     # the same swap for a matrix the model reads directly (a router, MLA's absorbed kv_b)
     "transposed": LayoutTransform(_swap_last_two, reindex="swap"),
-    # a matmul weight already in the parameter layout (a stacked view of per-expert tensors)
-    "matmul_in_layout": LayoutTransform(lambda w: w, reindex="same", matmul=True),
     "conv": LayoutTransform(_conv),
     "minus_one": LayoutTransform(lambda w: w.astype(np.float32) - np.float32(1), reindex="same"),  # GGUF (1 + w) norms
     "a_log_from_ssm_a": LayoutTransform(_a_log_from_ssm_a, reindex="same"),

@@ -23,13 +23,12 @@ the packing padding of the f16/u16 fields); what the layout does not split is re
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass
 
-from zoo.formats.ggml import BLOCK_LAYOUTS, QType, tensor_nbytes
+from zoo import registry
+from zoo.formats.ggml import QType, tensor_nbytes
 from zoo.models.architectures import architecture
 from zoo.models.recipes import get_recipe
 from zoo.models.shared.inventory import Tensor
@@ -106,17 +105,6 @@ class Plan:
 # --- bytes ----------------------------------------------------------------------------------------
 
 
-def _kind(t: Tensor, recipe: Recipe) -> str:
-    key = f"{t.cls}:{t.name}"
-    kind = next((k for pattern, k in recipe.plan if re.match(pattern, key)), recipe.fallback)
-    if kind in QType.__members__ and BLOCK_LAYOUTS[QType[kind]].block_size > 1:
-        if not t.matmul or t.shape[-1] % BLOCK_LAYOUTS[QType[kind]].block_size:
-            return recipe.fallback
-    if kind in ("FP8", "INT8") and not t.matmul:
-        return recipe.fallback
-    return kind
-
-
 def _nbytes(shape: tuple[int, ...], kind: str) -> int:
     if kind == "FP8":
         *lead, rows, cols = shape
@@ -144,7 +132,7 @@ def plan_config(cfg, recipe: str | Recipe, devices: int = 8, model: str | None =
     inventory = architecture(cfg.arch).part("inventory")(cfg)
     tensors = []
     for t in inventory:
-        kind = _kind(t, recipe)
+        kind = recipe.kind_of(t)
         nbytes = _nbytes(t.shape, kind)
         tensors.append(TensorPlan(t, kind, nbytes, per_device_bytes(t.name, t.shape, kind, nbytes, mesh)))
     return Plan(model or cfg.arch, recipe.name, devices, tuple(tensors), layout)
@@ -179,11 +167,4 @@ def plan_gguf(path, devices: int = 8, quant: str | None = None, layout: str = "t
 
 def plan(name: str, *, quant: str, devices: int = 8, layout: str = "tp") -> Plan:
     """``zoo.plan``: the plan of a registry model's config preset (``configs/``) under a recipe."""
-    from zoo import registry
-    from zoo.models.config import config_from_hf
-
-    spec = registry.get_spec(name)
-    if spec.preset is None:
-        raise ValueError(f"model {name!r} has no config preset to plan from")
-    path = registry.preset_path(spec.preset)
-    return plan_config(config_from_hf(json.loads(path.read_text()), source=str(path)), quant, devices, name, layout)
+    return plan_config(registry.preset_config(registry.get_spec(name)), quant, devices, name, layout)
