@@ -6,6 +6,7 @@
     zoo inspect NAME|PATH            config and tensor inventory of a checkpoint, no weights loaded
     zoo plan | audit ...             memory plan, quantization audit (``zoo.tools.cli``)
     zoo cache build | ls | push | pull   repacked-weight caches and Kaggle datasets (``zoo.cli.cache``)
+    zoo compile NAME --target v5e-8      the engine's programs compiled for a target chip (``zoo.cli.compile``)
 """
 
 from __future__ import annotations
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(sub)
     from zoo.cli import cache
     cache.add_commands(sub)
+    from zoo.cli import compile as compile_cli
+    compile_cli.add_commands(sub)
     return p
 
 

@@ -51,7 +51,7 @@ from zoo.sources.names import NameMap, Target, Transform, layout_transform
 DENSE = "dense"
 
 
-def _join_target(name: str, names: NameMap) -> Target | None:
+def join_target(name: str, names: NameMap) -> Target | None:
     """The target of the joined tensor that ``name`` is a part of (None if it is no join part)."""
     for join in names.joins:
         for part in join.parts:
@@ -71,7 +71,7 @@ def inventory_targets(cfg) -> list[tuple[object, Target]]:
     names = arch.gguf_name_map(cfg)
     out = []
     for t in arch.part("inventory")(cfg):
-        target = names.resolve(t.name) or _join_target(t.name, names)
+        target = names.resolve(t.name) or join_target(t.name, names)
         if target is None:
             raise ValueError(f"inventory tensor {t.name} of {cfg.arch} maps to no parameter")
         out.append((t, target))
@@ -200,11 +200,16 @@ def abstract_load(name_or_path, quant: str | None, dtype, mesh=None) -> tuple[nn
     return abstract_module(cfg, kinds, dtype, mesh), cfg
 
 
-def shard_bytes(module: nnx.Module) -> int:
-    """Bytes one device holds of a module's parameters (abstract or real; the first device's shard)."""
+def shard_bytes_of(tree) -> int:
+    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs (by each leaf's sharding)."""
     total = 0
-    for leaf in jax.tree.leaves(nnx.state(module)):
+    for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
         shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
         total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+def shard_bytes(module: nnx.Module) -> int:
+    """Bytes one device holds of a module's parameters (abstract or real)."""
+    return shard_bytes_of(nnx.state(module))

@@ -17,13 +17,13 @@ also those the program does not read) and the batch-state bytes (cache, carry, s
                                            read from its out-of-memory message for an oversized probe)
 
 Also the compile time, the number of Pallas calls in the program (``tpu_custom_call`` in the
-compiled HLO) and the XLA cost model's flops and bytes accessed.
+compiled HLO) and the XLA cost model's flops and bytes accessed. A program the compiler rejects for
+lack of HBM is reported with what it needed (``error``, ``required``, ``fits`` False), not raised.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 import time
@@ -35,11 +35,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zoo.kernels.dispatch import Policy, use_policy
-from zoo.loader.abstract import abstract_load, shard_bytes
+from zoo.loader.abstract import abstract_load, shard_bytes, shard_bytes_of
 from zoo.serving.generator import Generator
 from zoo.sharding.mesh import get_layout
 
 GiB = 2 ** 30
+# the compiler's compile-time out-of-memory message: what the program needs
+_OOM = re.compile(r"CompileTimeHbmOom.*?\(([\d.]+)G\) exceeds available HBM")
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,9 @@ def target_devices(target: Target) -> list:
     os.environ["TPU_ACCELERATOR_TYPE"] = target.accelerator_type
     try:
         return list(topologies.get_topology_desc(platform=target.platform, topology_name=target.topology).devices)
-    except Exception as e:         # no libtpu, or a jax build without the ahead-of-time path
-        raise RuntimeError(f"cannot open the {target.name} topology for ahead-of-time compilation ({e}); "
-                           f"install the dev or tpu extra (libtpu)") from None
+    except Exception as e:         # no libtpu, a jax build without the ahead-of-time path, or a busy libtpu
+        raise RuntimeError(f"cannot open the {target.name} topology for ahead-of-time compilation ({e}); it needs "
+                           f"libtpu (the dev or tpu extra), held by one process at a time") from None
 
 
 def target_mesh(target: Target, layout: str = "tp") -> Mesh:
@@ -107,16 +109,6 @@ def _usable_hbm(devices: tuple) -> int:
 def usable_hbm(mesh: Mesh) -> int:
     """Bytes of HBM per chip the compiler lets a program use (from its own out-of-memory message)."""
     return _usable_hbm(tuple(mesh.devices.flat))
-
-
-def _tree_bytes(tree) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs (by each leaf's sharding)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        sharding = getattr(x, "sharding", None)
-        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
-        total += math.prod(shape) * np.dtype(x.dtype).itemsize
-    return total
 
 
 @dataclass(frozen=True)
@@ -187,16 +179,25 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
             label = f"prefill chunk={prefill_chunk} L={context}" + (" + MTP rows" if spec_tokens else "")
         else:
             raise ValueError(f"unknown program {program!r}; known: decode, prefill")
-        memory, seconds, pallas, flops, accessed = _compile(gen.program(program, keep_unused=True), args, mesh,
-                                                            tgt.backend)
+        try:
+            memory, seconds, pallas, flops, accessed = _compile(gen.program(program, keep_unused=True), args, mesh,
+                                                                tgt.backend)
+        except Exception as e:
+            oom = _OOM.search(str(e))
+            if oom is None:
+                raise
+            required = int(float(oom.group(1)) * GiB)
+            reports.append({"name": label, "error": str(e).splitlines()[0][:500], "required": required,
+                            "usable": usable, "margin": usable - required, "fits": False})
+            continue
         reports.append(ProgramReport(
             name=label, arguments=memory.argument_size_in_bytes, outputs=memory.output_size_in_bytes,
             aliased=memory.alias_size_in_bytes, temporaries=memory.temp_size_in_bytes,
-            code=memory.generated_code_size_in_bytes, weights_resident=weights, batch_state=_tree_bytes(state),
-            usable=usable, compile_s=seconds, pallas_calls=pallas, flops=flops, bytes_accessed=accessed))
+            code=memory.generated_code_size_in_bytes, weights_resident=weights, batch_state=shard_bytes_of(state),
+            usable=usable, compile_s=seconds, pallas_calls=pallas, flops=flops, bytes_accessed=accessed).to_dict())
     return {"model": str(name_or_path), "quant": quant, "target": tgt.name, "layout": layout,
             "chips": int(mesh.devices.size), "dtype": dtype, "usable_hbm": usable, "weights_per_chip": weights,
-            "seconds": time.perf_counter() - t0, "programs": [r.to_dict() for r in reports]}
+            "seconds": time.perf_counter() - t0, "programs": reports}
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,10 @@ def table(report: dict) -> str:
             f"{'program':34s} {'weights':>7s} {'batch':>7s} {'temps':>7s} {'out-alias':>9s} {'total':>7s} "
             f"{'margin':>7s} {'pallas':>6s} {'compile':>8s}"]
     for p in report["programs"]:
+        if "error" in p:
+            rows.append(f"{p['name']:34s} DOES NOT FIT: the compiler needs {p['required'] / GiB:.2f} GiB "
+                        f"(margin {p['margin'] / GiB:.2f})")
+            continue
         rows.append(f"{p['name']:34s} {g(p['weights_resident'])} {g(p['batch_state'])} {g(p['temporaries'])} "
                     f"{g(p['outputs'] - p['aliased']):>9s} {g(p['total'])} {g(p['margin'])} {p['pallas_calls']:6d} "
                     f"{p['compile_s']:7.1f}s" + ("" if p["fits"] else "  DOES NOT FIT"))

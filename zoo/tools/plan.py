@@ -13,12 +13,16 @@ GGUF files. Each tensor gets a storage kind from the recipe (``zoo.quant.recipes
 * ``"FP8"``: one byte per weight plus an f32 scale per 128x128 block (per expert for banks);
 * ``"INT8"``: one byte per weight plus an f32 scale per output channel (``zoo.quant.int8``).
 
-Per device (``devices`` chips in a ``zoo.sharding.mesh`` layout, "tp" or "ep"): every tensor is split as
-``zoo.load(..., mesh=...)`` places it (``zoo.sharding.device_plan``): in "tp" the routed-expert banks
-are split as docs/reference.md section 4 describes (gate/up by output rows, down by input blocks; every
-chip holds a slice of every expert), in "ep" by expert over ``ep`` and by width over ``tp``; a
-quantized bank is counted in the plane layout of one device's slice (``plane_nbytes``, which adds
-the packing padding of the f16/u16 fields); what the layout does not split is replicated.
+``kind`` and ``nbytes`` are what the recipe reads (the source's storage: file bytes). Per device
+(``devices`` chips in a ``zoo.sharding.mesh`` layout, "tp" or "ep"), ``per_device_bytes`` is what
+one chip holds once loaded: the abstract load (``zoo.loader.abstract``) placed on an abstract mesh,
+so exactly the kinds the loader stores (FP8 read into the load dtype, float parameters in their own
+dtype, QArray planes packed per device with their padding) and the splits ``zoo.load(...,
+mesh=...)`` places (in "tp" the routed-expert banks split as docs/reference.md section 4 describes:
+gate/up by output rows, down by input blocks; in "ep" by expert over ``ep`` and by width over
+``tp``). A parameter shared by several inventory tensors (a joined ``kv_b``) is shared by element
+count. ``zoo.serving.aot`` compiles the same abstract model for a real target; the tests check that
+the compiler's argument bytes equal these.
 """
 
 from __future__ import annotations
@@ -26,14 +30,28 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
 
 from zoo import registry
 from zoo.formats.ggml import QType, tensor_nbytes
+from zoo.loader.abstract import (
+    abstract_module,
+    gguf_param_kinds,
+    inventory_targets,
+    join_target,
+    param_kinds,
+    shard_bytes_of,
+)
+from zoo.loader.gguf_model import config_from_gguf
 from zoo.models.architectures import architecture
 from zoo.models.recipes import get_recipe
 from zoo.models.shared.inventory import Tensor
 from zoo.quant.recipes import Recipe
-from zoo.sharding.device_plan import per_device_bytes, plan_mesh
+from zoo.sharding.device_plan import plan_mesh
+from zoo.sources.gguf import GGUFSource
 
 FP8_BLOCK = 128
 
@@ -122,6 +140,28 @@ def _mesh(devices: int, layout: str):
     return plan_mesh(layout, devices)
 
 
+def _param_device_bytes(cfg, kinds: dict, mesh, dtype) -> dict[str, int]:
+    """``{parameter path: bytes one device holds}`` of the abstract model placed on ``mesh``."""
+    module = abstract_module(cfg, kinds, jnp.dtype(dtype), mesh)
+    return {".".join(map(str, path)): shard_bytes_of(var.get_value())
+            for path, var in nnx.to_flat_state(nnx.state(module))}
+
+
+def _shares(tensors: list, targets: list[str], device_bytes: dict[str, int]) -> list[int]:
+    """Each inventory tensor's part of its parameter's per-device bytes, by element count (a joined
+    or stacked parameter is shared by its tensors); parts of one parameter add up exactly."""
+    numel: Counter = Counter()
+    for t, path in zip(tensors, targets):
+        numel[path] += math.prod(t.shape)
+    left, seen, out = dict(device_bytes), Counter(), []
+    for t, path in zip(tensors, targets):
+        seen[path] += math.prod(t.shape)
+        part = left[path] if seen[path] == numel[path] else device_bytes[path] * math.prod(t.shape) // numel[path]
+        left[path] -= part
+        out.append(part)
+    return out
+
+
 def plan_config(cfg, recipe: str | Recipe, devices: int = 8, model: str | None = None, layout: str = "tp") -> Plan:
     """The plan of ``cfg`` (a config object with ``arch``) under ``recipe`` on ``devices`` chips."""
     recipe = get_recipe(recipe, cfg.arch) if isinstance(recipe, str) else recipe
@@ -129,39 +169,40 @@ def plan_config(cfg, recipe: str | Recipe, devices: int = 8, model: str | None =
         raise ValueError(f"recipe {recipe.name!r} of {cfg.arch} is a whole GGUF whose per-tensor types are the "
                          f"file's: plan it from the file's header (zoo plan FILE.gguf, zoo.tools.plan.plan_gguf)")
     mesh = _mesh(devices, layout)
-    inventory = architecture(cfg.arch).part("inventory")(cfg)
-    tensors = []
-    for t in inventory:
-        kind = recipe.kind_of(t)
-        nbytes = _nbytes(t.shape, kind)
-        tensors.append(TensorPlan(t, kind, nbytes, per_device_bytes(t.name, t.shape, kind, nbytes, mesh)))
+    pairs = inventory_targets(cfg)
+    device_bytes = _param_device_bytes(cfg, param_kinds(cfg, recipe), mesh, recipe.dtype or "bfloat16")
+    inventory = [t for t, _ in pairs]
+    shares = _shares(inventory, [target.path for _, target in pairs], device_bytes)
+    tensors = [TensorPlan(t, kind, _nbytes(t.shape, kind), share)
+               for t, share, kind in zip(inventory, shares, (recipe.kind_of(t) for t in inventory))]
     return Plan(model or cfg.arch, recipe.name, devices, tuple(tensors), layout)
 
 
 def plan_gguf(path, devices: int = 8, quant: str | None = None, layout: str = "tp") -> Plan:
     """The plan of a GGUF file (or split set) from its header alone: every tensor as stored (its own
     ggml type and bytes; ``quant=None``), or the file's model under a recipe. Classes come from the
-    architecture's inventory; a tensor it does not list is class ``"other"``."""
-    from pathlib import Path
-
-    from zoo.loader.gguf_model import config_from_gguf
-    from zoo.sources.gguf import GGUFSource
-
+    architecture's inventory; a tensor it does not list is class ``"other"`` and a tensor the model
+    does not load (the MTP block's copies of the embedding and head) is counted whole."""
     src = GGUFSource(path)
     cfg = config_from_gguf(src)
     name = Path(src.files[0]).name
     if quant is not None:
         return plan_config(cfg, quant, devices, name, layout)
     mesh = _mesh(devices, layout)
+    names = architecture(cfg.arch).gguf_name_map(cfg)
+    device_bytes = _param_device_bytes(cfg, gguf_param_kinds(src, names), mesh, "bfloat16")
     known = {t.name: t for t in architecture(cfg.arch).part("inventory")(cfg)}
-    tensors = []
+    listed, targets = [], []
     for key in src.keys():
         info = src.info(key)
-        listed = known.get(key)
-        t = Tensor(key, info.shape, listed.cls if listed else "other",
-                   listed.matmul if listed else len(info.shape) >= 2)
-        tensors.append(TensorPlan(t, info.qtype.name, info.nbytes,
-                                  per_device_bytes(key, info.shape, info.qtype.name, info.nbytes, mesh)))
+        t = known.get(key) or Tensor(key, info.shape, "other", len(info.shape) >= 2)
+        listed.append((t, info))
+        target = names.resolve(key) or join_target(key, names)
+        targets.append(target.path if target is not None and target.path in device_bytes else None)
+    loaded = [(t, path) for (t, _), path in zip(listed, targets) if path is not None]
+    shares = iter(_shares([t for t, _ in loaded], [p for _, p in loaded], device_bytes))
+    tensors = [TensorPlan(t, info.qtype.name, info.nbytes, next(shares) if path is not None else info.nbytes)
+               for (t, info), path in zip(listed, targets)]
     return Plan(name, "as stored", devices, tuple(tensors), layout)
 
 
