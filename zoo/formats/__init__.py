@@ -1,0 +1,1 @@
+"""ggml formats: block layouts as data, bit-exact dequantizers, the kernel plane layout. No zoo imports."""

@@ -1,0 +1,1 @@
+"""Pallas kernels (TPU Mosaic, GPU Triton) with their jnp references, and the one dispatch rule."""

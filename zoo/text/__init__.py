@@ -1,0 +1,1 @@
+"""Text: the tokenizer with its chat template, and the vocabulary a GGUF embeds."""

@@ -1,0 +1,1 @@
+"""Tools: the memory planner, the quantization audit, their subcommands."""

@@ -1,0 +1,1 @@
+"""The repacked-weight cache (Orbax) and its Kaggle datasets."""
