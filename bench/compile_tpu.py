@@ -17,7 +17,8 @@ from zoo.tools.plan import plan
 
 # (model, recipe, batch, context, MTP drafts, prefill chunk, programs)
 CASES = [
-    ("glm53-flash", "UD-IQ3_XXS", 1, 4096, 0, 512, ("decode",)),
+    ("glm53-flash", "UD-IQ3_XXS-bf16", 1, 4096, 0, 512, ("decode",)),
+    ("glm53-flash", "UD-IQ3_XXS", 1, 4096, 0, 512, ("decode", "prefill")),
     ("glm53-flash", "UD-IQ3_XXS", 3, 32768, 3, 512, ("decode", "prefill")),
     ("qwen38-27b", "bf16", 1, 4096, 0, 512, ("decode", "prefill")),
     ("qwen38-27b", "int8", 1, 32768, 3, 512, ("decode", "prefill")),

@@ -13,6 +13,7 @@ import zoo
 from tests.models.glm53 import reference as ref
 from tests.support.gguf_files import write_gguf
 from zoo.formats.ggml import QType
+from zoo.quant.int8 import Int8Weight, quantize_int8
 from zoo.quant.qarray import QArray
 from zoo.sources.base import SourceError
 from zoo.sources.gguf import GGUFSource
@@ -51,9 +52,12 @@ def flat_params(module) -> dict:
     return {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(nnx.state(module))}
 
 
-def test_experts_from_the_gguf_the_rest_from_the_checkpoint(pair):
+@pytest.mark.parametrize("quant", ["UD-IQ3_XXS", "UD-IQ3_XXS-bf16"])
+def test_experts_from_the_gguf_the_rest_from_the_checkpoint(pair, quant):
+    """Both variants take the experts from the GGUF as stored; UD-IQ3_XXS keeps every other matmul
+    weight as int8 (per output channel) from the checkpoint, UD-IQ3_XXS-bf16 keeps it dense."""
     path, gguf, _, n_experts = pair
-    mixed = zoo.load(path, quant="UD-IQ3_XXS", dtype="float32")
+    mixed = zoo.load(path, quant=quant, dtype="float32")
     plain = zoo.load(path, dtype="float32")
     ours, theirs = flat_params(mixed.module), flat_params(plain.module)
     assert ours.keys() == theirs.keys() and mixed.load_info["unused_tensors"] == []
@@ -67,7 +71,13 @@ def test_experts_from_the_gguf_the_rest_from_the_checkpoint(pair):
         assert np.array_equal(np.asarray(bank.blocks()), raw), key
         assert np.array_equal(np.asarray(bank.dequantize()), np.swapaxes(gq.dequantize(raw, TYPES[p]), -1, -2)), key
     rest = [k for k in ours if k not in banks]
-    assert all(np.array_equal(np.asarray(ours[k]), np.asarray(theirs[k])) for k in rest)
+    int8 = [k for k in rest if isinstance(ours[k], Int8Weight)]
+    assert bool(int8) == (quant == "UD-IQ3_XXS") and all(k.endswith("kernel") for k in int8)
+    for k in int8:                                  # the checkpoint's weight, quantized per output channel
+        want = quantize_int8(theirs[k])
+        assert np.array_equal(np.asarray(ours[k].q), np.asarray(want.q)), k
+        assert np.array_equal(np.asarray(ours[k].scale), np.asarray(want.scale)), k
+    assert all(np.array_equal(np.asarray(ours[k]), np.asarray(theirs[k])) for k in rest if k not in int8)
     assert not np.any(np.asarray(ours["layers.1.mlp.router.weight"]) == 7.0)     # the GGUF's router: not taken
 
 

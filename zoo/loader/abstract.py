@@ -16,6 +16,7 @@ GGUF name map; then the recipe's load policy says what the loader makes of that 
     dequantized  everything dense
     Q8_0         Q8_0 -> QArray; the rest dense
     int8         INT8 -> Int8Weight; the rest dense
+    int8_unless_quantized   a ggml block type -> QArray of it; every other matmul weight -> Int8Weight
     None         (no recipe: a float checkpoint as stored) everything dense
 
 ``param_kinds`` is the mapping alone; the tests check that an abstract load has exactly the leaves
@@ -90,6 +91,8 @@ def _stored_kind(kind: str, load: str | None, target: Target) -> str:
         return kind
     if load == "int8" and kind == "INT8":
         return "INT8"
+    if load == "int8_unless_quantized":           # a source's blocks as stored, every float matmul weight int8
+        return kind if block else "INT8"
     return DENSE
 
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from zoo.ops.matmul import dense_matmul, register_matmul
 from zoo.ops.moe import dense_moe, register_moe
-from zoo.quant.storage import dense_store
+from zoo.quant.storage import as_stored, dense_store
 from zoo.sharding.mesh import ShardingRule, partition_spec, register_sharding
 from zoo.sources.names import layout_transform
 
@@ -66,6 +66,14 @@ def int8_store(source, key: str, transform, want: jax.ShapeDtypeStruct, path: st
         return dense_store(source, key, transform, want, path)
     full = dense_store(source, key, transform, jax.ShapeDtypeStruct(want.shape, jnp.float32), path)
     return quantize_int8(full)
+
+
+def int8_unless_quantized(source, key: str, transform, want: jax.ShapeDtypeStruct, path: str):
+    """Storage: a tensor quantized in its source as stored (``storage.as_stored``: a QArray of its own
+    type), a float matmul weight as ``Int8Weight``, the rest dense."""
+    if getattr(source.info(key), "quantized", False):
+        return as_stored(source, key, transform, want, path)
+    return int8_store(source, key, transform, want, path)
 
 
 # -- sharding (``zoo.sharding.mesh``): q follows the logical spec, the scales its lead and output axes ------

@@ -84,6 +84,7 @@ STORES = {
     "dequantized": storage.dequantized_store,
     "Q8_0": storage.quantizing_store(QType.Q8_0),
     "int8": int8.int8_store,
+    "int8_unless_quantized": int8.int8_unless_quantized,
 }
 
 
