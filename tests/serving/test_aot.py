@@ -74,3 +74,12 @@ def test_cli_and_errors(capsys):
         aot.compile_report("qwen38-tiny", target="v9")
     with pytest.raises(ValueError, match="unknown program 'train'"):
         aot.compile_report("qwen38-tiny", programs=("train",))
+
+
+def test_both_forms_of_the_compilers_out_of_memory_message():
+    temporaries = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
+                   "for HLO temporaries (15.97G) exceeds available HBM (15.75G). HLO module: jit__step_impl.")
+    capacity = ("Ran out of memory in memory space hbm. Used 15.78G of 15.75G hbm. Exceeded hbm capacity by 31.36M.")
+    assert aot.required_bytes(temporaries) == int(15.97 * 2**30)
+    assert aot.required_bytes(capacity) == int(15.78 * 2**30)
+    assert aot.required_bytes("INVALID_ARGUMENT: something else") is None

@@ -24,6 +24,7 @@ from zoo.quant.int8 import Int8Weight, quantize_int8
 from zoo.quant.qarray import QArray
 from zoo.registry import embedded_path
 from zoo.sharding.cache_axes import cache_axes
+from zoo.sharding.device_plan import plan_mesh
 from zoo.sharding.mesh import MESH_LAYOUTS, make_mesh, partition_spec, resolve_mesh, sharding_rule, value_specs
 from zoo.sharding.placement import ReadPlan, SliceView
 from zoo.sources.base import TensorInfo
@@ -230,3 +231,18 @@ def test_plan_per_device_bytes_in_each_layout():
     assert one.per_device_bytes == one.total_bytes + float32       # one device: everything, A_log/dt_bias in f32
     with pytest.raises(ValueError, match="unknown mesh layout"):
         zoo.plan("qwen38-27b", quant="bf16", layout="dp")
+
+
+def test_glm_latent_cache_and_pooled_keys_split_over_the_sequence():
+    """GLM's latent cache and the indexer's pooled keys are shared by all heads: they split over the
+    sequence along ``tp`` (1/8 of the slots per chip in "tp" on 8 devices, 1/4 in "ep" 2 x 4)."""
+    cfg = load_config(embedded_path("glm53-tiny"))
+    model = nnx.eval_shape(lambda: arch(cfg.arch).model_class()(cfg))
+    cache = jax.eval_shape(lambda: model.init_cache(2, 256))
+    axes = cache_axes(cache)
+    latent = {k: a for k, a in axes.items() if k.endswith(".latent")}
+    assert latent and all(a == ("batch", "latent_len", "kv_lora") for a in latent.values())
+    for layout in ("tp", "ep"):
+        mesh = plan_mesh(layout, 8)
+        assert partition_spec(("batch", "latent_len", "kv_lora"), (2, 256, 32), mesh) == PartitionSpec(None, "tp", None)
+        assert partition_spec(("batch", "pools", "head_dim"), (2, 64, 16), mesh) == PartitionSpec(None, "tp", None)

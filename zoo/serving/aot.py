@@ -12,7 +12,9 @@ chip, from the compiler (``memory_analysis``): the argument, output, aliased (do
 bytes and the generated code; from the abstract state: the weight bytes resident (every weight,
 also those the program does not read) and the batch-state bytes (cache, carry, sampling parameters).
 
-    total   = weights resident + batch state + temporaries + (outputs - aliased outputs) + code
+    total   = the compiler's peak HBM per chip for the program (``memory_analysis().peak_memory_in_bytes``)
+    sum     = weights resident + batch state + temporaries + (outputs - aliased outputs) + code
+              (everything as if live at once: an upper bound, reported beside it)
     margin  = usable HBM - total          (usable HBM: what the compiler itself says it has,
                                            read from its out-of-memory message for an oversized probe)
 
@@ -40,8 +42,14 @@ from zoo.serving.generator import Generator
 from zoo.sharding.mesh import get_layout
 
 GiB = 2 ** 30
-# the compiler's compile-time out-of-memory message: what the program needs
-_OOM = re.compile(r"CompileTimeHbmOom.*?\(([\d.]+)G\) exceeds available HBM")
+# the compiler's out-of-memory messages (two forms): what the program needs
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM|Used ([\d.]+)G of [\d.]+G hbm")
+
+
+def required_bytes(message: str) -> int | None:
+    """What a program needs per chip, from the compiler's out-of-memory message (None: not one)."""
+    found = _OOM.search(message)
+    return None if found is None else int(float(found.group(1) or found.group(2)) * GiB)
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,7 @@ class ProgramReport:
     aliased: int            # donated arguments reused as outputs
     temporaries: int
     code: int
+    peak: int               # compiler: peak HBM of the program per chip (0 where it reports none)
     weights_resident: int   # every weight's shard, read or not
     batch_state: int        # the program's non-weight arguments (cache, carry, sampling parameters)
     usable: int
@@ -128,15 +137,21 @@ class ProgramReport:
     bytes_accessed: float
 
     @property
-    def total(self) -> int:
+    def sum(self) -> int:
+        """Everything as if live at once: weights + batch state + temporaries + unaliased outputs + code."""
         return self.weights_resident + self.batch_state + self.temporaries + self.outputs - self.aliased + self.code
+
+    @property
+    def total(self) -> int:
+        """The compiler's peak HBM per chip (it knows what is live at once); ``sum`` where it gives none."""
+        return self.peak or self.sum
 
     @property
     def margin(self) -> int:
         return self.usable - self.total
 
     def to_dict(self) -> dict:
-        return {**self.__dict__, "total": self.total, "margin": self.margin, "fits": self.margin >= 0}
+        return {**self.__dict__, "sum": self.sum, "total": self.total, "margin": self.margin, "fits": self.margin >= 0}
 
 
 def _compile(fn, args: tuple, mesh: Mesh, backend: str) -> tuple:
@@ -183,17 +198,17 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
             memory, seconds, pallas, flops, accessed = _compile(gen.program(program, keep_unused=True), args, mesh,
                                                                 tgt.backend)
         except Exception as e:
-            oom = _OOM.search(str(e))
-            if oom is None:
+            required = required_bytes(str(e))
+            if required is None:
                 raise
-            required = int(float(oom.group(1)) * GiB)
             reports.append({"name": label, "error": str(e).splitlines()[0][:500], "required": required,
                             "usable": usable, "margin": usable - required, "fits": False})
             continue
         reports.append(ProgramReport(
             name=label, arguments=memory.argument_size_in_bytes, outputs=memory.output_size_in_bytes,
             aliased=memory.alias_size_in_bytes, temporaries=memory.temp_size_in_bytes,
-            code=memory.generated_code_size_in_bytes, weights_resident=weights, batch_state=shard_bytes_of(state),
+            code=memory.generated_code_size_in_bytes, peak=int(getattr(memory, "peak_memory_in_bytes", 0) or 0),
+            weights_resident=weights, batch_state=shard_bytes_of(state),
             usable=usable, compile_s=seconds, pallas_calls=pallas, flops=flops, bytes_accessed=accessed).to_dict())
     return {"model": str(name_or_path), "quant": quant, "target": tgt.name, "layout": layout,
             "chips": int(mesh.devices.size), "dtype": dtype, "usable_hbm": usable, "weights_per_chip": weights,
@@ -215,7 +230,7 @@ def table(report: dict) -> str:
     g = lambda n: f"{n / GiB:7.2f}"                                       # noqa: E731
     rows = [f"{report['model']} / {report['quant']} on {report['target']} ({report['chips']} chips, layout "
             f"{report['layout']}): usable HBM {report['usable_hbm'] / GiB:.2f} GiB per chip",
-            f"{'program':34s} {'weights':>7s} {'batch':>7s} {'temps':>7s} {'out-alias':>9s} {'total':>7s} "
+            f"{'program':34s} {'weights':>7s} {'batch':>7s} {'temps':>7s} {'out-alias':>9s} {'sum':>7s} {'peak':>7s} "
             f"{'margin':>7s} {'pallas':>6s} {'compile':>8s}"]
     for p in report["programs"]:
         if "error" in p:
@@ -223,6 +238,7 @@ def table(report: dict) -> str:
                         f"(margin {p['margin'] / GiB:.2f})")
             continue
         rows.append(f"{p['name']:34s} {g(p['weights_resident'])} {g(p['batch_state'])} {g(p['temporaries'])} "
-                    f"{g(p['outputs'] - p['aliased']):>9s} {g(p['total'])} {g(p['margin'])} {p['pallas_calls']:6d} "
+                    f"{g(p['outputs'] - p['aliased']):>9s} {g(p['sum'])} {g(p['total'])} {g(p['margin'])} "
+                    f"{p['pallas_calls']:6d} "
                     f"{p['compile_s']:7.1f}s" + ("" if p["fits"] else "  DOES NOT FIT"))
     return "\n".join(rows)

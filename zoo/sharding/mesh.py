@@ -44,7 +44,11 @@ TP_RULES: dict[str, str | None] = {
     # replicated: the residual stream, small, latent or LoRA dims, and cache bookkeeping
     "embed": None, "head_dim": None, "q_lora": None, "kv_lora": None, "conv": None, "kpool": None,
     "experts": None, "hc": None, "hc_embed": None, "hc_scale": None,
-    "batch": None, "cache_len": None, "pools": None,
+    "batch": None, "cache_len": None,
+    # split over the sequence: GLM's latent cache and the indexer's pooled keys are shared by all heads,
+    # so a split by heads cannot shard them; each chip holds 1/tp of the slots (attention and the
+    # indexer scores then reduce across chips)
+    "latent_len": "tp", "pools": "tp",
 }
 EP_RULES: dict[str, str | None] = {**TP_RULES, "experts": "ep"}
 

@@ -79,7 +79,7 @@ class IndexerCache(CacheState):
 
 @cache_state
 class LatentCache(CacheState):
-    AXES = {"latent": ("batch", "cache_len", "kv_lora")}
+    AXES = {"latent": ("batch", "latent_len", "kv_lora")}
     latent: jax.Array
     indexer: IndexerCache | None = None
 
