@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import numpy as np
 import pytest
 from flax import nnx
 
+from zoo.loader.abstract import inventory_targets
 from zoo.models.architectures import ARCHITECTURES
 from zoo.models.config import config_from_hf
 from zoo.registry import REGISTRY, preset_path
@@ -26,34 +26,14 @@ def abstract_params(cfg) -> dict[str, tuple[int, ...]]:
     return {".".join(map(str, p)): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(state)}
 
 
-def joined_name(name: str, joins) -> str | None:
-    """The joined tensor a join part belongs to (None if ``name`` is no part of a join): each part
-    template (``\\g<group>`` over the join's groups) is matched back as a regex."""
-    for join in joins:
-        for part in join.parts:
-            pieces = re.split(r"\\g<(\w+)>", part)        # literal, group, literal, group, ...
-            regex = "".join(re.escape(s) if i % 2 == 0 else f"(?P<{s}>.+?)" for i, s in enumerate(pieces))
-            m = re.fullmatch(regex, name)
-            if m:
-                return re.sub(r"\\g<(\w+)>", lambda g: m[g.group(1)], join.name)
-    return None
-
-
 @pytest.mark.parametrize("name", PRESETS)
 def test_inventory_covers_the_abstract_model(name):
     path = preset_path(REGISTRY[name].preset)
     cfg = config_from_hf(json.loads(path.read_text()), source=str(path))
-    arch = ARCHITECTURES[cfg.arch]
-    names = arch.gguf_name_map(cfg)
     params = abstract_params(cfg)
     counted: dict[str, int] = {}
-    for t in arch.part("inventory")(cfg):
-        target = names.resolve(t.name)
-        if target is None:
-            joined = joined_name(t.name, names.joins)
-            assert joined is not None, f"{name}: inventory tensor {t.name} maps to no parameter"
-            target = names.resolve(joined)
-        assert target is not None and target.path in params, f"{name}: {t.name} -> {target} is not a parameter"
+    for t, target in inventory_targets(cfg):       # through the GGUF map; a join part through its join
+        assert target.path in params, f"{name}: {t.name} -> {target} is not a parameter"
         counted[target.path] = counted.get(target.path, 0) + math.prod(t.shape)
     missing = sorted(set(params) - set(counted))
     assert not missing, f"{name}: parameters no inventory tensor covers: {missing[:8]}"

@@ -184,13 +184,13 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
             state = gen.abstract_batch(batch, context)
             rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
             active = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rows.sharding)
-            args = (gen._state, state, active, rows, rows)
+            args = (gen.weights, state, active, rows, rows)
             label = f"decode B={batch} L={context}" + (f" MTP k={spec_tokens}" if spec_tokens else "")
         elif program == "prefill":
             state = gen.abstract_batch(1, context)["cache"]
             ids = jax.ShapeDtypeStruct((1, prefill_chunk), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
             mask = jax.ShapeDtypeStruct((1, prefill_chunk), jnp.bool_, sharding=ids.sharding)
-            args = (gen._state, ids, mask, ids, mask, state)
+            args = (gen.weights, ids, mask, ids, mask, state)
             label = f"prefill chunk={prefill_chunk} L={context}" + (" + MTP rows" if spec_tokens else "")
         else:
             raise ValueError(f"unknown program {program!r}; known: decode, prefill")

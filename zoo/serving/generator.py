@@ -189,6 +189,11 @@ class Generator:
         return {"cache": shard_cache(cache), "carry": carry, "params": params}, tokens, n
 
     # -- ahead of time ------------------------------------------------------------------------
+    @property
+    def weights(self):
+        """The model's parameter state, the first argument of every program."""
+        return self._state
+
     def program(self, name: str, keep_unused: bool = False):
         """The jitted device program ``name`` ("decode": ``(state, batch, active, force, cap)``, the
         batch donated; "prefill": ``(state, ids, mask, next_ids, next_mask, cache)``, the cache donated),
