@@ -43,7 +43,12 @@ TP_RULES: dict[str, str | None] = {
     "linear_qkv": "tp", "linear_v": "tp", "linear_heads": "tp", "cache_heads": "tp",
     # replicated: the residual stream, small, latent or LoRA dims, and cache bookkeeping
     "embed": None, "head_dim": None, "q_lora": None, "kv_lora": None, "conv": None, "kpool": None,
-    "experts": None, "hc": None, "hc_embed": None, "hc_scale": None,
+    "experts": None, "hc": None, "hc_scale": None,
+    # split along the contracted input of small replicated matrices (hyper-connection mixing, router):
+    # each chip holds 1/tp of the weight, the [B, T, few] product is summed across chips
+    # (and the low-rank down projections of the residual stream: MLA q_a / kv_a, KDA f_a / g_a, the
+    # indexer's keys and gate, MTP's fc, whose outputs are not split)
+    "hc_embed": "tp", "router_embed": "tp", "embed_in": "tp",
     "batch": None, "cache_len": None,
     # split over the sequence: GLM's latent cache and the indexer's pooled keys are shared by all heads,
     # so a split by heads cannot shard them; each chip holds 1/tp of the slots (attention and the

@@ -122,10 +122,10 @@ class Indexer(nnx.Module):
         self.select_tail = cfg.index_kpool_always_select_tail
         self.dtype = dtype
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * di, axes=("q_lora", "heads"), dtype=dtype)
-        self.wk = Linear(d, di, axes=("embed", "head_dim"), dtype=dtype)
+        self.wk = Linear(d, di, axes=("embed_in", "head_dim"), dtype=dtype)
         self.k_norm = LayerNorm(di, eps=1e-6, dtype=dtype, axes=("head_dim",))
         self.weights_proj = Linear(d, self.n_heads, axes=("embed", "heads"), dtype=dtype)
-        self.compress_gate = Linear(d, di, axes=("embed", "head_dim"), dtype=dtype)
+        self.compress_gate = Linear(d, di, axes=("embed_in", "head_dim"), dtype=dtype)
         self.compress_ape = param((self.pool, di), ("kpool", "head_dim"), dtype)
 
     def init_cache(self, batch: int, length: int) -> IndexerCache:
@@ -212,10 +212,10 @@ class MultiLatentAttention(nnx.Module):
         self.dtype = dtype
         bias = cfg.attention_bias
         norm = dict(eps=cfg.rms_norm_eps, dtype=dtype, zero_centered=False)
-        self.q_a_proj = Linear(d, cfg.q_lora_rank, axes=("embed", "q_lora"), dtype=dtype, use_bias=bias)
+        self.q_a_proj = Linear(d, cfg.q_lora_rank, axes=("embed_in", "q_lora"), dtype=dtype, use_bias=bias)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, axes=("q_lora",), **norm)
         self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.dn, axes=("q_lora", "heads"), dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(d, c, axes=("embed", "kv_lora"), dtype=dtype, use_bias=bias)
+        self.kv_a_proj_with_mqa = Linear(d, c, axes=("embed_in", "kv_lora"), dtype=dtype, use_bias=bias)
         self.kv_a_layernorm = RMSNorm(c, axes=("kv_lora",), **norm)
         # Used absorbed (q W_k^T, then (p @ c) W_v), so stored as a plain [C, H*(dn+dv)] matrix.
         self.kv_b = param((c, self.n_heads * (self.dn + self.dv)), ("kv_lora", "heads"), dtype)

@@ -30,7 +30,7 @@ class Router(nnx.Module):
         self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
-        self.weight = param((cfg.hidden_size, self.n_experts), ("embed", "experts"), dtype)
+        self.weight = param((cfg.hidden_size, self.n_experts), ("router_embed", "experts"), dtype)
         self.correction_bias = param((self.n_experts,), ("experts",), jnp.float32)
 
     def _group_mask(self, choice: jax.Array) -> jax.Array:

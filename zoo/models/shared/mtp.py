@@ -25,7 +25,7 @@ class MTPHead(nnx.Module):
                  block: nnx.Module, final_norm: nnx.Module, dtype):
         self.embed_norm = embed_norm
         self.hidden_norm = hidden_norm
-        self.fc = Linear(2 * dim, dim, axes=(None, "embed"), dtype=dtype)
+        self.fc = Linear(2 * dim, dim, axes=("embed_in", "embed"), dtype=dtype)
         self.block = block
         self.final_norm = final_norm
 
