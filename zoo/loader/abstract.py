@@ -52,27 +52,17 @@ from zoo.sources.names import NameMap, Target, Transform, layout_transform
 DENSE = "dense"
 
 
-def join_target(name: str, names: NameMap) -> Target | None:
-    """The target of the joined tensor that ``name`` is a part of (None if it is no join part)."""
-    for join in names.joins:
-        for part in join.parts:
-            pieces = re.split(r"\\g<(\w+)>", part)                 # literal, group, literal, group, ...
-            regex = "".join(re.escape(s) if i % 2 == 0 else f"(?P<{s}>.+?)" for i, s in enumerate(pieces))
-            m = re.fullmatch(regex, name)
-            if m:
-                return names.resolve(re.sub(r"\\g<(\w+)>", lambda g: m[g.group(1)], join.name))
-    return None
-
-
 def inventory_targets(cfg) -> list[tuple[object, Target]]:
     """``(inventory tensor, its target)`` for every tensor of the architecture's inventory, through
     its GGUF name map (a join part resolves to the joined tensor's target). Raises ``ValueError``
     for a tensor the map does not place."""
     arch = architecture(cfg.arch)
     names = arch.gguf_name_map(cfg)
+    inventory = arch.part("inventory")(cfg)
+    joined = names.joined_names(t.name for t in inventory)
     out = []
-    for t in arch.part("inventory")(cfg):
-        target = names.resolve(t.name) or join_target(t.name, names)
+    for t in inventory:
+        target = names.resolve(joined.get(t.name, t.name))
         if target is None:
             raise ValueError(f"inventory tensor {t.name} of {cfg.arch} maps to no parameter")
         out.append((t, target))

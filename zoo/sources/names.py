@@ -175,6 +175,11 @@ class Join:
     name: str
     combine: Combiner
 
+    def match(self, key: str) -> tuple[str, tuple[str, ...]] | None:
+        """``(joined name, part names)`` when ``key`` is this join's first part, else None."""
+        m = re.fullmatch(self.pattern, key)
+        return None if m is None else (m.expand(self.name), tuple(m.expand(p) for p in self.parts))
+
 
 class NameMap:
     """Rules (first match wins), prefixes to strip, names ignored on purpose, and ``joins``: tensors
@@ -210,6 +215,16 @@ class NameMap:
         """(parameter path, transform) for a source name; None if no rule matches."""
         target = self.resolve(name)
         return None if target is None else (target.path, target.transform)
+
+    def joined_names(self, keys) -> dict[str, str]:
+        """``{part name: joined name}`` for every join whose first part is among ``keys``."""
+        out: dict[str, str] = {}
+        for key in keys:
+            for join in self.joins:
+                hit = join.match(key)
+                if hit is not None:
+                    out.update(dict.fromkeys(hit[1], hit[0]))
+        return out
 
     def ignored(self, name: str) -> bool:
         return any(p.match(name) for p in self._compiled_ignore)

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -43,10 +42,10 @@ class JoinedSource:
         hidden: dict[str, str | None] = {}                # first part -> joined name; other parts -> None
         for key in inner.keys():
             for join in joins:
-                m = re.fullmatch(join.pattern, key)
-                if m is None or m.expand(join.name) in present:
+                hit = join.match(key)
+                if hit is None or hit[0] in present:
                     continue
-                name, parts = m.expand(join.name), tuple(m.expand(p) for p in join.parts)
+                name, parts = hit
                 missing = [p for p in parts if p not in present]
                 if missing:
                     raise SourceError(f"{self._file(key)}: tensor {key!r} needs {missing[0]!r} to make "

@@ -41,7 +41,6 @@ from zoo.loader.abstract import (
     abstract_module,
     gguf_param_kinds,
     inventory_targets,
-    join_target,
     param_kinds,
     shard_bytes_of,
 )
@@ -192,12 +191,13 @@ def plan_gguf(path, devices: int = 8, quant: str | None = None, layout: str = "t
     names = architecture(cfg.arch).gguf_name_map(cfg)
     device_bytes = _param_device_bytes(cfg, gguf_param_kinds(src, names), mesh, "bfloat16")
     known = {t.name: t for t in architecture(cfg.arch).part("inventory")(cfg)}
+    joined = names.joined_names(src.keys())
     listed, targets = [], []
     for key in src.keys():
         info = src.info(key)
         t = known.get(key) or Tensor(key, info.shape, "other", len(info.shape) >= 2)
         listed.append((t, info))
-        target = names.resolve(key) or join_target(key, names)
+        target = names.resolve(joined.get(key, key))
         targets.append(target.path if target is not None and target.path in device_bytes else None)
     loaded = [(t, path) for (t, _), path in zip(listed, targets) if path is not None]
     shares = iter(_shares([t for t, _ in loaded], [p for _, p in loaded], device_bytes))
