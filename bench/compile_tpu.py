@@ -1,10 +1,14 @@
 """Full-size ahead-of-time compiles for a TPU v5e-8 with the real TPU compiler (libtpu's topology; no
-TPU needed): per program and per chip, weights resident, batch state, temporaries, total against the
-compiler's usable HBM, and the margin; the planner's per-chip weight bytes beside the compiler's
-(their ratio is the baseline check: 1.000 when the planner is right). Each GLM-5.3-Flash compile takes
-~1-2 minutes and ~3 GB of RAM; run one compiling process at a time. From the repo root:
+TPU needed), exactly what ``zoo compile`` runs: per program and per chip, weights resident, batch
+state, temporaries, the compiler's peak against its usable HBM and the margin, the prefill chunk
+chosen from the memory left, and the roofline (bytes a step must read over HBM bandwidth, the Pallas
+kernels' grid steps and estimated time, XLA's cost-model estimate and bytes accessed). The baseline
+check is the planner's per-chip weight bytes beside the compiler's (ratio 1.000 when the planner is
+right). Each GLM-5.3-Flash compile takes ~1-2 minutes and ~3 GB of RAM; one compiling process at a
+time. From the repo root:
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python bench/compile_tpu.py [--quick] [--json OUT]
+    JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python bench/compile_tpu.py [--quick] [--search] \
+        [--json OUT] [--hlo-dir DIR]
 """
 
 from __future__ import annotations
@@ -12,28 +16,33 @@ from __future__ import annotations
 import argparse
 import json
 
-from zoo.serving.aot import GiB, compile_report, table
+from zoo.serving.aot import GiB, compile_report, largest_batch, table
 from zoo.tools.plan import plan
 
-# (model, recipe, batch, context, MTP drafts, prefill chunk, programs)
+MARGIN = GiB // 2
+# (model, recipe, batch, context, MTP drafts (None: 3 where the model has an MTP layer), prefill chunk (None: chosen))
 CASES = [
-    ("glm53-flash", "UD-IQ3_XXS-bf16", 1, 4096, 0, 512, ("decode",)),
-    ("glm53-flash", "UD-IQ3_XXS", 1, 4096, 0, 512, ("decode", "prefill")),
-    ("glm53-flash", "UD-IQ3_XXS", 3, 32768, 3, 512, ("decode", "prefill")),
-    ("qwen38-27b", "bf16", 1, 4096, 0, 512, ("decode", "prefill")),
-    ("qwen38-27b", "int8", 1, 32768, 3, 512, ("decode", "prefill")),
+    ("glm53-flash", "UD-IQ3_XXS", 3, 32768, None, None),          # the goal: `zoo compile` with its defaults
+    ("glm53-flash", "UD-IQ3_XXS", 1, 4096, 0, 512),
+    ("qwen38-27b", "bf16", 3, 32768, None, None),
+    ("qwen38-27b", "int8", 3, 32768, None, None),
+    ("qwen38-27b", "Q8_0", 3, 32768, None, None),
 ]
+SEARCH = [("glm53-flash", "UD-IQ3_XXS", 32768), ("glm53-flash", "UD-IQ3_XXS", 131072)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the first case")
+    ap.add_argument("--search", action="store_true", help="also the largest batch at 32k and 128k (GLM, ~8 compiles)")
     ap.add_argument("--json", help="write every report here")
+    ap.add_argument("--hlo-dir", help="write each compiled program's HLO here (bench/hlo_traffic.py reads it)")
     args = ap.parse_args()
     reports = []
-    for model, quant, batch, context, k, chunk, programs in CASES[:1] if args.quick else CASES:
+    for model, quant, batch, context, k, chunk in CASES[:1] if args.quick else CASES:
         report = compile_report(model, quant=quant, target="v5e-8", batch=batch, context=context, spec_tokens=k,
-                                prefill_chunk=chunk, programs=programs)
+                                prefill_chunk=chunk, min_margin=MARGIN,
+                                hlo_dir=args.hlo_dir and f"{args.hlo_dir}/{model}-{quant}")
         print(table(report))
         planner = plan(model, quant=quant, devices=8).per_device_bytes
         compiled = [p for p in report["programs"] if "error" not in p]
@@ -41,8 +50,16 @@ def main() -> None:
             compiler = compiled[0]["arguments"] - compiled[0]["batch_state"]
             print(f"planner {planner / GiB:.3f} GiB per chip, compiler arguments less batch state "
                   f"{compiler / GiB:.3f} GiB: ratio {compiler / planner:.4f}")
-        print()
+        print(f"all programs fit with {MARGIN / GiB:.1f} GiB to spare: {report['ok']}\n", flush=True)
         reports.append(report)
+    if args.search:
+        for model, quant, context in SEARCH:
+            found = largest_batch(model, quant=quant, context=context, spec_tokens=3, min_margin=MARGIN)
+            above = "-" if found["next_margin"] is None else f"{found['next_margin'] / GiB:.2f}"
+            print(f"{model} {quant} MTP k=3: largest batch at L={context}: {found['batch']} rows (margin "
+                  f"{found['margin'] / GiB:.2f} GiB; one row more: {above} GiB; {found['compiles']} compiles)",
+                  flush=True)
+            reports.append(found)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=2)

@@ -80,3 +80,17 @@ def test_cli_generate(capsys):
     assert "tokens in" in err and "tok/s" in err
     assert cli_main(["generate", "--model", "no-such-model", "--prompt", "x"]) == 2
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_prefill_chunk_is_the_servers_choice(model):
+    """A prompt longer than the prefill chunk is prefilled in several chunks (as ``zoo compile``
+    chooses the chunk a chip leaves room for) and generates exactly what one chunk does."""
+    from zoo.serving.generator import Generator
+
+    prompt = [[(7 * i + 3) % 400 + 1 for i in range(40)]]
+    one = Generator(model, prefill_chunk=64).generate(prompt, max_new_tokens=6)[0].tokens
+    three = Generator(model, prefill_chunk=16).generate(prompt, max_new_tokens=6)[0].tokens
+    assert three == one == greedy_by_full_forward(model, prompt[0], 6)[:len(one)]
+    for bad in (0, 8, 100):
+        with pytest.raises(ValueError, match="prefill_chunk must be a power of two >= 16"):
+            Generator(model, prefill_chunk=bad)

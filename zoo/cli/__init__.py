@@ -75,7 +75,8 @@ def _serve(args) -> int:
     t0 = time.perf_counter()
     model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype)
     name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
-    app = create_app(model, api_key=key, spec_tokens=args.spec, max_batch=args.max_batch, max_queue=args.max_queue,
+    app = create_app(model, api_key=key, spec_tokens=args.spec, max_batch=args.max_batch,
+                     prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
                      queue_timeout_s=args.queue_timeout, model_name=name,
                      tool_format=None if args.tool_format == "none" else args.tool_format,
                      thinking_budget=args.thinking_budget)
@@ -137,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
     s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    s.add_argument("--prefill-chunk", type=int, default=1024,
+                   help="prompt tokens per prefill program, a power of two (zoo compile reports what fits)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (more: 429)")
     s.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
     s.add_argument("--tool-format", default="auto", choices=["auto", "qwen", "glm", "none"],

@@ -4,10 +4,12 @@
 each block holding rows of one expert only (an expert's last block is padded with rows of weight 0;
 blocks past the used ones repeat the last expert and are skipped). The static block count is
 ``ceil(N k / bm) + min(E, N k)``. The kernels walk the grid (output tile ``j``, row block ``b``):
-the block's expert's planes for ``j`` come in over the whole input axis (the scalar-prefetched block
-experts choose them in the ``index_map``; consecutive blocks of one expert keep the same block index,
-so nothing is re-read), are decoded into a VMEM scratch column **once, when the block's expert
-changes**, and every block of that expert is one ``jnp.dot`` (f32 accumulation) on the matrix unit.
+the block's expert's planes for output block ``j`` (up to the whole output axis: ``zoo.kernels.tpu.
+block_lanes``, bounded by the decoded column's VMEM) come in over the whole input axis (the
+scalar-prefetched block experts choose them in the ``index_map``; consecutive blocks of one expert
+keep the same block index, so nothing is re-read), are decoded, 128 lanes at a time, into a VMEM
+scratch column **once, when the block's expert changes**, and every block of that expert is one
+``jnp.dot`` (f32 accumulation) on the matrix unit.
 
     moe_grouped(x [N, D], weights [N, k], ids [N, k], gate, up, down, limit) -> [N, D]
         1. gate and up, SwiGLU with its clamp in the kernel      -> h     [rows, I] (sorted rows)
@@ -29,10 +31,23 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from zoo.kernels.census import record
 from zoo.kernels.dequant_matvec import decode_bank, reference_linear
 from zoo.kernels.operands import Weight, plane_inputs, split_refs
 from zoo.kernels.tiles import n_tiles
-from zoo.kernels.tpu import LANES, block_specs, compiler_params, decode_chunk, spec_bytes, table_operands
+from zoo.kernels.tpu import (
+    LANES,
+    block_lanes,
+    block_specs,
+    compiler_params,
+    decode_chunk,
+    lane_bytes,
+    spec_bytes,
+    staged,
+    staging,
+    sub_tiles,
+    table_operands,
+)
 from zoo.ops.matmul import precision_for
 from zoo.ops.moe import dense_moe, swiglu
 
@@ -102,20 +117,24 @@ def expert_block(j, b, block_expert, n_used):
 
 def _grouped(xs: list[jax.Array], weights: list[Weight], x_of: list[int], block_expert, n_used,
              block_rows: int, epilogue: Callable, out_dtype, row_weight: jax.Array | None,
-             interpret: bool) -> jax.Array:
+             interpret: bool, kernel_name: str = "grouped") -> jax.Array:
     """``epilogue(xs[x_of[i]][block] @ W_i[block expert] for i [, row weights]) -> [rows, out]``."""
     rows, d_out, n_b = xs[0].shape[0], weights[0].d_out, block_expert.shape[0]
+    dtype = xs[0].dtype
+    column_bytes = sum(w.order.size for w in weights) * jnp.dtype(dtype).itemsize      # decoded, per lane
+    lanes = block_lanes(d_out, weights, per_lane=max(lane_bytes(weights), column_bytes))
     names, tables, table_specs = table_operands(weights)
     row_block = lambda j, b, e, nu: (used_block(b, nu), 0)          # noqa: E731
     x_specs = [pl.BlockSpec((block_rows, x.shape[1]), row_block) for x in xs]
     extra = [] if row_weight is None else [row_weight]
     extra_specs = [pl.BlockSpec((block_rows, 1), row_block) for _ in extra]
-    w_specs = [s for w in weights for s in block_specs(w, expert_block)]
-    dtype = xs[0].dtype
-    counts = [len(xs), len(extra)] + [len(w.planes) for w in weights] + [len(names), 1, len(weights)]
+    w_specs = [s for w in weights for s in block_specs(w, expert_block, lanes)]
+    stage = staging(weights, lanes)
+    n_planes = [len(w.planes) for w in weights]
+    counts = [len(xs), len(extra), sum(n_planes), len(names), 1, len(weights), len(stage)]
 
     def kernel(block_expert_ref, n_used_ref, *refs):
-        x_refs, extra_refs, *w_refs, t_refs, (out_ref,), columns = split_refs(refs, counts)
+        x_refs, extra_refs, w_refs, t_refs, (out_ref,), columns, stage_refs = split_refs(refs, counts)
         tables_ = dict(zip(names, t_refs))
         b = pl.program_id(1)
         live = b < n_used_ref[0]
@@ -123,14 +142,19 @@ def _grouped(xs: list[jax.Array], weights: list[Weight], x_of: list[int], block_
 
         @pl.when(live & fresh)
         def _():
-            for w, refs_, column in zip(weights, w_refs, columns):
-                kc = w.tiling.chunk_inputs
+            def tile(lane):
+                parts = split_refs(staged(w_refs, stage_refs, lane), n_planes)
+                for w, refs_, column in zip(weights, parts, columns):
+                    kc = w.tiling.chunk_inputs
 
-                def chunk(q, carry, w=w, refs_=refs_, column=column, kc=kc):
-                    column[pl.ds(pl.multiple_of(q * kc, kc), kc), :] = decode_chunk(w, refs_, tables_, q).astype(dtype)
-                    return carry
+                    def chunk(q, carry, w=w, refs_=refs_, column=column, kc=kc):
+                        column[pl.ds(pl.multiple_of(q * kc, kc), kc), pl.ds(lane, LANES)] = \
+                            decode_chunk(w, refs_, tables_, q).astype(dtype)
+                        return carry
 
-                jax.lax.fori_loop(0, w.tiling.n_chunks, chunk, 0)
+                    jax.lax.fori_loop(0, w.tiling.n_chunks, chunk, 0)
+
+            sub_tiles(lanes, tile)
 
         @pl.when(live)
         def _():
@@ -140,12 +164,16 @@ def _grouped(xs: list[jax.Array], weights: list[Weight], x_of: list[int], block_
 
     planes = [p for w in weights for p in w.planes]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(n_tiles(d_out, LANES), n_b),
+        num_scalar_prefetch=2, grid=(n_tiles(d_out, lanes), n_b),
         in_specs=x_specs + extra_specs + w_specs + table_specs,
-        out_specs=pl.BlockSpec((block_rows, LANES), lambda j, b, e, nu: (used_block(b, nu), j)),
-        scratch_shapes=[pltpu.VMEM((w.order.size, LANES), dtype) for w in weights])
-    blocks = spec_bytes([*xs, *extra, *planes, *tables], grid_spec.in_specs) + block_rows * LANES * 4
-    scratch = sum(w.order.size for w in weights) * LANES * jnp.dtype(dtype).itemsize
+        out_specs=pl.BlockSpec((block_rows, lanes), lambda j, b, e, nu: (used_block(b, nu), j)),
+        scratch_shapes=[pltpu.VMEM((w.order.size, lanes), dtype) for w in weights] + stage)
+    blocks = spec_bytes([*xs, *extra, *planes, *tables], grid_spec.in_specs) + block_rows * lanes * 4
+    scratch = column_bytes * lanes + (LANES * lane_bytes(weights) if stage else 0)
+    step_bytes = lanes * lane_bytes(weights)
+    distinct = min(n_b, weights[0].planes[0].shape[0])                 # an expert's blocks are read once per tile
+    record(f"grouped_matmul.{kernel_name}", n_b * n_tiles(d_out, lanes), step_bytes,
+           n_tiles(d_out, lanes) * distinct * step_bytes)
     return pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((rows, d_out), out_dtype),
         compiler_params=compiler_params(blocks, scratch, max(w.tiling.chunk_inputs for w in weights)),
@@ -163,10 +191,11 @@ def moe_grouped(x, weights, ids, gate, up, down, limit, *, block_rows: int = 128
     def routed(x):
         xs, x_of = plane_inputs(x, [g, u])
         h = _grouped([xi[plan.row_token] for xi in xs], [g, u], x_of, plan.block_expert, plan.n_used, block_rows,
-                     lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, None, interpret)
+                     lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, None, interpret,
+                     "project")
         weighted = lambda acc, w: jnp.where(w != 0, w * acc.astype(dtype).astype(F32), 0.0)    # noqa: E731
         y = _grouped([h[:, d.order]], [d], [0], plan.block_expert, plan.n_used, block_rows, weighted, F32,
-                     plan.row_weight[:, None], interpret)
+                     plan.row_weight[:, None], interpret, "down")
         y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])      # the row of slots without one
         return jnp.sum(y[plan.slot_row], axis=1).astype(dtype)
 
@@ -180,7 +209,7 @@ def linear_grouped(x: jax.Array, w, out_dtype, *, block_rows: int = 128, interpr
     n_b = -(-rows.shape[0] // block_rows)
     rows = jnp.pad(rows, ((0, n_b * block_rows - rows.shape[0]), (0, 0)))
     y = _grouped([rows], [weight], [0], jnp.zeros(n_b, jnp.int32), jnp.full((1,), n_b, jnp.int32), block_rows,
-                 lambda acc: acc, out_dtype, None, interpret)
+                 lambda acc: acc, out_dtype, None, interpret, "linear")
     return y[:np.prod(x.shape[:-1], dtype=int)].reshape(*x.shape[:-1], weight.d_out)
 
 

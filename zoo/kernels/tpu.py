@@ -24,21 +24,63 @@ from zoo.kernels.operands import Weight
 from zoo.kernels.tiles import LANES, TABLES, Tiling, lane_table, shr, split_halves, to_int32, words_per_block
 from zoo.ops.matmul import precision_for
 
+# --- how much a grid step moves ---------------------------------------------------------------
+# A grid step costs a fixed overhead (~0.35 us on TPU) besides its DMA; steps that move a few KiB
+# each would spend more on overhead than on bytes. So a step takes a block of ``lanes`` output
+# columns (a multiple of 128, up to the whole output axis) of ``group`` experts at once, and the
+# kernel walks the block's 128-lane sub-tiles itself (``sub_tiles``, each copied to a 128-lane
+# scratch first: ``staging``): the decoded chunks stay [chunk_inputs, 128] whatever the block.
+STEP_BYTES = 1 << 20             # weight bytes a step aims to move
+MAX_BLOCK = 4 << 20              # weight bytes of one expert's block, at most
+MAX_GROUP = 8                    # experts per step, at most
 
-def block_specs(weight: Weight, index_map: Callable) -> list[pl.BlockSpec]:
-    """One expert's planes for :data:`LANES` output columns over the whole input axis."""
-    return [pl.BlockSpec((None, p.shape[1], LANES), index_map) for p in weight.planes]
+
+def lane_bytes(weights: list[Weight]) -> int:
+    """Plane bytes of one output column of one expert, over all ``weights`` (uint32 words)."""
+    return sum(p.shape[1] * p.dtype.itemsize for w in weights for p in w.planes)
+
+
+def block_lanes(d_out: int, weights: list[Weight], max_bytes: int = MAX_BLOCK, per_lane: int | None = None) -> int:
+    """Output columns per block: the whole (128-padded) output axis, or even tiles of it whose
+    expert block (``per_lane`` bytes a column, default the planes') stays within ``max_bytes``."""
+    total = -(-d_out // LANES)
+    cap = max(1, max_bytes // ((per_lane or lane_bytes(weights)) * LANES))
+    n = -(-total // cap)
+    return -(-total // n) * LANES
+
+
+def experts_per_step(n_slots: int, block_bytes: int) -> int:
+    """Experts a step takes: the largest divisor of ``n_slots`` (no padding slots) up to the count
+    that brings a step to :data:`STEP_BYTES`."""
+    want = min(MAX_GROUP, n_slots, max(1, -(-STEP_BYTES // max(block_bytes, 1))))
+    return max(g for g in range(1, want + 1) if n_slots % g == 0)
+
+
+def block_specs(weight: Weight, index_map: Callable, lanes: int = LANES) -> list[pl.BlockSpec]:
+    """One expert's planes for ``lanes`` output columns over the whole input axis."""
+    return [pl.BlockSpec((None, p.shape[1], lanes), index_map) for p in weight.planes]
+
+
+def sub_tiles(lanes: int, body: Callable) -> None:
+    """``body(lane)`` for each 128-lane sub-tile of a ``lanes``-wide block (``lane``: its first column)."""
+    def step(t, carry):
+        body(pl.multiple_of(t * LANES, LANES))
+        return carry
+
+    jax.lax.fori_loop(0, lanes // LANES, step, 0)
 
 
 def decode_chunk(weight: Weight, refs, tables: dict, q) -> jax.Array:
-    """Chunk ``q`` of the input axis decoded from VMEM, ``float32 [chunk_inputs, 128]`` in plane order."""
+    """Chunk ``q`` of the input axis decoded from VMEM refs ``[n_words, 128]``: ``float32
+    [chunk_inputs, 128]`` in plane order."""
     tile = weight.fmt.decode(RefReader(dict(zip(weight.names, refs)), tables, weight.tiling, q))
     return tile.reshape(-1, tile.shape[-1])                   # [P, tb, m, 128]: leading axes merge
 
 
 def matvec(weight: Weight, x_ref, refs, tables: dict) -> jax.Array:
-    """``x @ W`` for the rows of ``x_ref`` (``[rows, in]`` in plane order), float32 ``[rows, 128]``:
-    each chunk decoded once, cast to the activation dtype, multiplied with f32 accumulation."""
+    """``x @ W`` for the rows of ``x_ref`` (``[rows, in]`` in plane order) and 128 output columns
+    (plane refs ``[n_words, 128]``), float32 ``[rows, 128]``: each chunk decoded once, cast to the
+    activation dtype, multiplied with f32 accumulation."""
     t = weight.tiling
     dtype = x_ref.dtype
 
@@ -48,6 +90,24 @@ def matvec(weight: Weight, x_ref, refs, tables: dict) -> jax.Array:
         return acc + jnp.dot(xs, w, precision=precision_for(dtype), preferred_element_type=jnp.float32)
 
     return jax.lax.fori_loop(0, t.n_chunks, chunk, jnp.zeros((x_ref.shape[0], LANES), jnp.float32))
+
+
+def staging(weights: list[Weight], lanes: int) -> list:
+    """VMEM scratch for one 128-lane sub-tile of each plane of ``weights`` (none when a block is
+    128 lanes wide): a wider block's sub-tile is copied there before it is decoded, so the decoders
+    read refs whose last dimension is 128 (Mosaic's strided loads and unaligned dynamic row offsets
+    need that)."""
+    return [] if lanes == LANES else [pltpu.VMEM((p.shape[1], LANES), p.dtype) for w in weights for p in w.planes]
+
+
+def staged(refs: list, scratch: list, lane) -> list:
+    """The refs to decode sub-tile ``lane`` from: ``refs`` themselves (128-lane blocks), or their
+    sub-tile copied into ``scratch`` (``staging``)."""
+    if not scratch:
+        return refs
+    for ref, copy in zip(refs, scratch):
+        copy[...] = ref[:, pl.ds(lane, LANES)]
+    return scratch
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ with the row axis ``[B, ...]``::
     params  per-row sampling parameters and PRNG state: temperature, top_k, top_p, seed, step
 
 A step is ONE compiled program for the whole model (``_plain_step`` / ``speculative.spec_step``);
-the cache is donated. A new request is prefilled alone (chunks of at most ``PREFILL_CHUNK`` tokens,
-left-padded to a power-of-two bucket: a few bounded compilations) into a cache of the batch's
+the cache is donated. A new request is prefilled alone (chunks of at most ``prefill_chunk`` tokens,
+left-padded to a power-of-two bucket: a few bounded compilations; ``zoo compile`` chooses the chunk
+a target's memory leaves room for) into a cache of the batch's
 length, then inserted into a free row. The batch grows (rows doubling from ``MIN_ROWS`` up to ``max_batch``,
 slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_budget`` allows;
 otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
@@ -117,12 +118,16 @@ class Generator:
     """Continuous-batching engine over ``model`` (a ``zoo.Model``); ``spec_tokens`` k > 0 drafts k
     tokens per step with the model's MTP head."""
 
-    def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, memory_budget: int | None = None):
+    def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, memory_budget: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
         self.k = int(spec_tokens)
         self.max_batch = max_batch
+        if prefill_chunk < PREFILL_MIN or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.memory_budget = memory_budget or default_memory_budget()
         self._graphdef, self._state = nnx.split(model.module)
         eos = set(getattr(model.config, "eos_token_id", ()) or ())
@@ -238,7 +243,8 @@ class Generator:
     def _need(self, req: Request) -> int:
         """Token slots a request occupies: its padded prompt, its new tokens, the verify overshoot."""
         n = len(req.prompt)
-        padded = _round_up(n, PREFILL_CHUNK) if n > PREFILL_CHUNK else _bucket(n)
+        chunk = self.prefill_chunk
+        padded = _round_up(n, chunk) if n > chunk else _bucket(n)
         return padded + req.max_new_tokens + self.k + 1
 
     def _try_admit(self, req: Request) -> bool:
@@ -267,14 +273,15 @@ class Generator:
     def _prefill_into(self, req: Request, r: int) -> None:
         t0 = time.perf_counter()
         n = len(req.prompt)
-        total = _round_up(n, PREFILL_CHUNK) if n > PREFILL_CHUNK else _bucket(n)
+        chunk = self.prefill_chunk
+        total = _round_up(n, chunk) if n > chunk else _bucket(n)
         ids = np.zeros((1, total + 1), np.int32)
         mask = np.zeros((1, total + 1), bool)
         ids[0, total - n:total], mask[0, total - n:total] = req.prompt, True
         row = self._empty_fn(1, self._L)
         cache = row["cache"]
-        for c in range(0, total, min(total, PREFILL_CHUNK)):
-            sl = slice(c, c + min(total, PREFILL_CHUNK))
+        for c in range(0, total, min(total, chunk)):
+            sl = slice(c, c + min(total, chunk))
             nxt = slice(sl.start + 1, sl.stop + 1)
             logits, h_last, cache = self._prefill_fn(self._state, ids[:, sl], mask[:, sl], ids[:, nxt],
                                                      mask[:, sl] & mask[:, nxt], cache)

@@ -26,7 +26,7 @@ from zoo.serving import anthropic_api, openai_api
 from zoo.serving.chat import Service
 from zoo.serving.engine_thread import EngineThread
 from zoo.serving.errors import ApiError
-from zoo.serving.generator import Generator
+from zoo.serving.generator import PREFILL_CHUNK, Generator
 from zoo.serving.metrics import CountRequests, Metrics
 from zoo.serving.tool_parsers import PARSERS, detect_format
 
@@ -56,15 +56,17 @@ def _require_key(api_key: str | None):
 
 
 def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_batch: int = 16,
+               prefill_chunk: int = PREFILL_CHUNK,
                max_queue: int = 64, queue_timeout_s: float = 60.0, keepalive_s: float = 15.0,
                model_name: str | None = None, tool_format: str | None = "auto", default_max_tokens: int = 4096,
                memory_budget: int | None = None, thinking_budget: int | None = None) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP
-    draft length. max_batch: rows decoded together. max_queue: requests that may wait for a row
-    (more: 429); queue_timeout_s: how long one may wait (then 503). keepalive_s: silence after
-    which a stream gets a keep-alive comment / ping. tool_format: "qwen", "glm", None (tool calls
+    draft length. max_batch: rows decoded together. prefill_chunk: prompt tokens per prefill program
+    (a power of two; ``zoo compile`` reports the largest a target chip leaves room for). max_queue:
+    requests that may wait for a row (more: 429); queue_timeout_s: how long one may wait (then 503).
+    keepalive_s: silence after which a stream gets a keep-alive comment / ping. tool_format: "qwen", "glm", None (tool calls
     are not parsed) or "auto" (from the chat template, else ``model.config.arch``).
     thinking_budget: reasoning tokens after which "</think>" is forced into a chat request's output
     (None: unlimited); an Anthropic ``thinking.budget_tokens`` or OpenAI ``thinking_budget`` field
@@ -78,7 +80,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
         tool_format = detect_format(getattr(model.config, "arch", None), model.tokenizer.chat_template)
     elif tool_format is not None and tool_format not in PARSERS:
         raise ValueError(f"unknown tool format {tool_format!r}; use one of {sorted(PARSERS)}, 'auto' or None")
-    generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget)
+    generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget,
+                          prefill_chunk=prefill_chunk)
     metrics = Metrics()
     engine = EngineThread(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
