@@ -254,10 +254,10 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
     when ``spec_tokens`` k > 0, with k MTP drafts (None: ``DEFAULT_SPEC`` where the model has an MTP
     layer, else 0); "prefill" the prefill chunk (with the chunk's MTP rows when k > 0).
     ``prefill_chunk`` None chooses the chunk from the memory left: the first of ``PREFILL_CHUNKS``
-    (those up to ``context``) that compiles with ``min_margin`` bytes to spare (``prefill_chunk`` in the report; the larger
-    ones tried are reported too, marked ``rejected``). ``ok``: every program not rejected fits with
-    ``min_margin`` to spare (and a chunk was found). ``hlo_dir``: also write each compiled program's
-    HLO text there (``bench/hlo_traffic.py`` reads it)."""
+    (those up to ``context``) that compiles with ``min_margin`` bytes to spare (``prefill_chunk`` in the
+    report; the larger ones tried are reported too, marked ``rejected``). ``ok``: every program not
+    rejected fits with ``min_margin`` to spare (and a chunk was found). ``hlo_dir``: also write each
+    compiled program's HLO text there (``bench/hlo_traffic.py`` reads it)."""
     for program in programs:
         if program not in ("decode", "prefill"):
             raise ValueError(f"unknown program {program!r}; known: decode, prefill")

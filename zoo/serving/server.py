@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from zoo.serving import anthropic_api, openai_api
+from zoo.serving import anthropic_api, openai_api, responses_api
 from zoo.serving.chat import Service
 from zoo.serving.engine_thread import EngineThread
 from zoo.serving.errors import ApiError
@@ -62,12 +62,12 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
                memory_budget: int | None = None, thinking_budget: int | None = None) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
-    api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP
-    draft length. max_batch: rows decoded together. prefill_chunk: prompt tokens per prefill program
-    (a power of two; ``zoo compile`` reports the largest a target chip leaves room for). max_queue:
-    requests that may wait for a row (more: 429); queue_timeout_s: how long one may wait (then 503).
-    keepalive_s: silence after which a stream gets a keep-alive comment / ping. tool_format: "qwen", "glm", None (tool calls
-    are not parsed) or "auto" (from the chat template, else ``model.config.arch``).
+    api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
+    length. max_batch: rows decoded together. prefill_chunk: prompt tokens per prefill program (a power
+    of two; ``zoo compile`` reports the largest a target chip leaves room for). max_queue: requests that
+    may wait for a row (more: 429); queue_timeout_s: how long one may wait (then 503). keepalive_s:
+    silence after which a stream gets a keep-alive comment / ping. tool_format: "qwen", "glm", None
+    (tool calls are not parsed) or "auto" (from the chat template, else ``model.config.arch``).
     thinking_budget: reasoning tokens after which "</think>" is forced into a chat request's output
     (None: unlimited); an Anthropic ``thinking.budget_tokens`` or OpenAI ``thinking_budget`` field
     of a request takes its place.
@@ -101,6 +101,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     auth = [Depends(_require_key(api_key))]
     app.include_router(openai_api.router, dependencies=auth)
     app.include_router(anthropic_api.router, dependencies=auth)
+    app.include_router(responses_api.router, dependencies=auth)
 
     @app.get("/health")
     async def health():

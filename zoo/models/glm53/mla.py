@@ -251,7 +251,7 @@ class MultiLatentAttention(nnx.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).reshape(b, t, self.n_heads, self.dn)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        cache = cache.replace(latent=write_slots(cache.latent, latent, pos.write_at))
+        cache = cache.replace(latent=write_slots(cache.latent, latent, pos.write_at, LatentCache.AXES["latent"]))
         if self.indexer is not None:
             selection, indexer = self.indexer(x, q_resid, pos, cache.indexer, keep_steps)
             cache = cache.replace(indexer=indexer)
