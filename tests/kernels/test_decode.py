@@ -51,7 +51,7 @@ def test_tile_decoders_are_bit_exact_with_gguf(qtype):
     fmt = FORMATS[qtype]
     cases = [(4, 1, 2 * bs), (6, 2, None)]               # two chunks of 2 blocks; two parts of 3 (odd)
     raws = [raw_blocks(qtype, (2,), 5, n, seed=n) for n, _, _ in cases]
-    tilings = [tiling_for(qtype, n, splits, max_inputs) for n, splits, max_inputs in cases]
+    tilings = [tiling_for(qtype, n, splits, max_inputs, lane_aligned=False) for n, splits, max_inputs in cases]
     planes = [{k: jnp.asarray(v) for k, v in P.to_planes(raw, qtype, splits).items()}
               for raw, (_, splits, _) in zip(raws, cases)]
     decoded = jax.jit(lambda ps: [decode_parts(p, fmt, t) for p, t in zip(ps, tilings)])(planes)
@@ -283,3 +283,18 @@ def test_prefill_kernels_take_whole_output_blocks_at_full_size():
     assert [c.kernel for c in calls] == ["grouped_matmul.project", "grouped_matmul.down"]
     assert [c.steps for c in calls] == [n_b, n_b]
     assert sum(c.weight_bytes for c in calls) == sum(b.nbytes for b in banks)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_kernel_chunks_start_on_a_lane_boundary(qtype):
+    """Every kernel tiling (any block count and split) cuts the activations at multiples of 128
+    inputs, or not at all, wherever its parts allow: Mosaic rejects a dynamic lane offset it cannot
+    prove aligned (Qwen's 2176-input MLP shard in Q8_0 was cut into chunks of 1088)."""
+    bs = BLOCK_LAYOUTS[qtype].block_size
+    for n_blocks in range(1, 161):
+        for splits in (1, 2, 4, 8):
+            if n_blocks % splits or (splits > 1 and (n_blocks // splits * bs) % 128):
+                continue                  # parts off the lane grid: the kernel unrolls their chunks
+            t = tiling_for(qtype, n_blocks, splits)
+            assert t is not None and (t.n_chunks == 1 or t.chunk_inputs % 128 == 0), (n_blocks, splits, t)
+            assert t.chunk_inputs <= max(4 * 2048, bs * t.part)          # one chunk per part at most

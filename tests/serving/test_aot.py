@@ -168,3 +168,30 @@ def test_hlo_traffic_accounts_for_xlas_bytes_accessed():
     ours = sum(v for k, v in groups.items() if k != "pallas")
     assert abs(ours - accessed) <= 0.05 * accessed and accessed >= 4096 * 19360
     assert groups.get("relayout", 0) == 0
+
+
+@pytest.mark.parametrize("qtype,d_in,splits", [("Q8_0", 2176, 1), ("Q6_K", 4352, 1), ("IQ4_XS", 2304, 1),
+                                               ("Q8_0", 192, 2)])
+def test_decode_kernel_compiles_for_v5e_at_awkward_widths(qtype, d_in, splits):
+    """The decode kernel for one matrix whose input axis is no power of two (a chip's share of
+    Qwen3.8-27B's MLP in "tp"; two parts of 96 inputs, chunks off the lane grid), compiled by the
+    real Mosaic compiler for a v5e chip."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from zoo.formats import planes as P
+    from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+    from zoo.kernels import dequant_matvec as mv
+    from zoo.quant.qarray import QArray
+
+    qt = QType[qtype]
+    mesh = Mesh(np.asarray(aot.target_devices(aot.get_target("v5e-8"))[:1]), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    shapes = P.plane_shapes(qt, (), 640, d_in // BLOCK_LAYOUTS[qt].block_size, splits)
+    w = QArray({n: jax.ShapeDtypeStruct(s, jnp.uint32, sharding=sharding) for n, s in shapes.items()}, qt, (d_in, 640),
+               in_splits=splits)
+    x = jax.ShapeDtypeStruct((4, d_in), jnp.bfloat16, sharding=sharding)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda x, w: mv.linear_matvec(x, w, jnp.bfloat16)).lower(x, w).compile()
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1

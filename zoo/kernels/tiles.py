@@ -205,16 +205,23 @@ class Tiling:
 
 
 def tiling_for(qtype: QType, n_blocks: int, in_splits: int = 1, max_inputs: int | None = 2048,
-               power_of_two: bool = False) -> Tiling | None:
+               power_of_two: bool = False, lane_aligned: bool = True) -> Tiling | None:
     """The tiling with the largest chunk of at most ``max_inputs`` input features (None: one chunk
-    per part), preferring chunks of a multiple of 16 blocks (word offsets aligned to 8 sublanes).
-    With ``power_of_two`` (Triton's tensor shapes) only power-of-two chunks qualify; None if none does."""
+    per part). Chunks must start on a 128-lane boundary of the activations (a multiple of 128
+    inputs, or a single chunk): Mosaic cannot prove a dynamic lane offset off that grid legal; a
+    single chunk up to 4x ``max_inputs`` is taken when no aligned smaller one exists. Among those,
+    chunks of a multiple of 16 blocks (word offsets aligned to 8 sublanes) come first.
+    With ``power_of_two`` (Triton's tensor shapes) only power-of-two chunks qualify; None if none does.
+    ``lane_aligned`` False drops the lane rule (the jnp decoders do not need it)."""
     part = n_blocks // in_splits
     bs = BLOCK_LAYOUTS[qtype].block_size
     ok = [tb for tb in range(1, part + 1) if part % tb == 0 and (tb % 2 == 0 or tb == part)
           and (not power_of_two or tb & (tb - 1) == 0)]
     if max_inputs is not None:
-        fitting = [tb for tb in ok if tb * bs <= max_inputs] or ok[:1]
+        lanes = [tb for tb in ok if (tb * bs) % 128 == 0 or tb == n_blocks or not lane_aligned]
+        fitting = [tb for tb in lanes if tb * bs <= max_inputs] or [
+            tb for tb in lanes if tb == n_blocks and tb * bs <= 4 * max_inputs] or [
+            tb for tb in ok if tb * bs <= max_inputs] or ok[:1]
         aligned = [tb for tb in fitting if tb % 16 == 0 or tb == part]
         ok = aligned or fitting
     return Tiling(qtype, n_blocks, in_splits, max(ok)) if ok else None

@@ -86,10 +86,16 @@ def matvec(weight: Weight, x_ref, refs, tables: dict) -> jax.Array:
 
     def chunk(q, acc):
         w = decode_chunk(weight, refs, tables, q).astype(dtype)
-        xs = x_ref[:, pl.ds(pl.multiple_of(q * t.chunk_inputs, t.chunk_inputs), t.chunk_inputs)]
+        start = q * t.chunk_inputs if isinstance(q, int) else pl.multiple_of(q * t.chunk_inputs, t.chunk_inputs)
+        xs = x_ref[:, pl.ds(start, t.chunk_inputs)]
         return acc + jnp.dot(xs, w, precision=precision_for(dtype), preferred_element_type=jnp.float32)
 
-    return jax.lax.fori_loop(0, t.n_chunks, chunk, jnp.zeros((x_ref.shape[0], LANES), jnp.float32))
+    acc = jnp.zeros((x_ref.shape[0], LANES), jnp.float32)
+    if t.n_chunks == 1 or t.chunk_inputs % LANES == 0:
+        return jax.lax.fori_loop(0, t.n_chunks, chunk, acc)
+    for q in range(t.n_chunks):          # chunks off the 128-lane grid (parts too small to align): static offsets
+        acc = chunk(q, acc)
+    return acc
 
 
 def staging(weights: list[Weight], lanes: int) -> list:
@@ -127,7 +133,7 @@ class RefReader:
     def _start(self, name: str, first: int = 0):
         words = self.tiling.chunk_words(name)
         start = self.q * words
-        return (pl.multiple_of(start, 8) if words % 8 == 0 else start) + first
+        return (pl.multiple_of(start, 8) if words % 8 == 0 and not isinstance(start, int) else start) + first
 
     def words(self, name: str, first: int = 0, stride: int = 1) -> jax.Array:
         per_block = words_per_block(self.tiling.qtype, name)

@@ -54,9 +54,10 @@ from zoo.sharding.mesh import value_specs
 from zoo.text.tokenizer import Tokenizer
 
 MANIFEST = "manifest.json"
-# 4: the package layout of the redesign (config classes, architecture ids); 3: + the size of every state
-# file; 2: zarr2 + OCDBT without zstd; 1: zarr3 + zstd
-CACHE_FORMAT = 4
+# 5: GLM MLA kv_b stored [H*(dn+dv), C] as the checkpoint keeps it; 4: the package layout of the
+# redesign (config classes, architecture ids); 3: + the size of every state file; 2: zarr2 + OCDBT
+# without zstd; 1: zarr3 + zstd
+CACHE_FORMAT = 5
 HASHED_BYTES = 16 * 2**20
 DEFAULT_SEARCH_ROOTS = ("/kaggle/input",)
 # Stored-weight types a manifest may name (a cache is data: nothing else is ever instantiated).

@@ -64,7 +64,7 @@ def test_experts_are_qarray_banks_of_their_own_types(q256):
         "gate": (QType.IQ2_S, (8, 256, 256)), "up": (QType.IQ2_S, (8, 256, 256)), "down": (QType.IQ3_S, (8, 256, 256))}
     attn = model.module.layers[1].self_attn
     assert attn.q_a_proj.kernel.get_value().qtype == QType.Q8_0
-    assert not isinstance(attn.kv_b.get_value(), QArray) and attn.kv_b.get_value().shape == (256, 4 * 128)
+    assert not isinstance(attn.kv_b.get_value(), QArray) and attn.kv_b.get_value().shape == (4 * 128, 256)
     assert not isinstance(mlp.router.weight.get_value(), QArray)
     info = model.load_info
     assert info["unused_tensors"] == [] and model.tokenizer is not None and model.tokenizer.vocab_size == 512
@@ -159,10 +159,10 @@ def test_quantized_k_b_and_missing_v_b(tmp_path):
     k_b, v_b = tensors["blk.3.attn_k_b.weight"][0], tensors["blk.3.attn_v_b.weight"][0]   # [H, C, dn], [H, dv, C]
     tensors["blk.3.attn_v_b.weight"] = (v_b, QType.Q8_0)
     model = zoo.load(write_gguf(tmp_path / "q8vb.gguf", "glm5-next", metadata_of(TINY_MTP), tensors), dtype="float32")
-    kv_b = np.asarray(model.module.layers[3].self_attn.kv_b.get_value()).reshape(32, 4, 32)   # [C, H, dn+dv]
+    kv_b = np.asarray(model.module.layers[3].self_attn.kv_b.get_value()).reshape(4, 32, 32)   # [H, dn+dv, C]
     v_deq = gq.dequantize(gq.quantize(v_b, QType.Q8_0), QType.Q8_0)
-    assert np.array_equal(kv_b[:, :, :16], k_b.transpose(1, 0, 2))
-    assert np.array_equal(kv_b[:, :, 16:], v_deq.transpose(2, 0, 1))
+    assert np.array_equal(kv_b[:, :16], k_b.transpose(0, 2, 1))
+    assert np.array_equal(kv_b[:, 16:], v_deq)
     del tensors["blk.7.attn_v_b.weight"]
     bad = write_gguf(tmp_path / "nov.gguf", "glm5-next", metadata_of(TINY_MTP), tensors)
     with pytest.raises(SourceError, match=r"nov.gguf: tensor 'blk.7.attn_k_b.weight' needs 'blk.7.attn_v_b.weight'"):

@@ -33,7 +33,7 @@ from flax import nnx
 
 from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param, take_step
-from zoo.ops.matmul import einsum
+from zoo.ops.matmul import einsum, precision_for
 from zoo.sharding.cache_axes import CacheState, cache_state
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -217,8 +217,10 @@ class MultiLatentAttention(nnx.Module):
         self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.dn, axes=("q_lora", "heads"), dtype=dtype)
         self.kv_a_proj_with_mqa = Linear(d, c, axes=("embed_in", "kv_lora"), dtype=dtype, use_bias=bias)
         self.kv_a_layernorm = RMSNorm(c, axes=("kv_lora",), **norm)
-        # Used absorbed (q W_k^T, then (p @ c) W_v), so stored as a plain [C, H*(dn+dv)] matrix.
-        self.kv_b = param((c, self.n_heads * (self.dn + self.dv)), ("kv_lora", "heads"), dtype)
+        # Used absorbed (q W_k^T, then (p @ c) W_v), so stored as the checkpoint keeps it, [H*(dn+dv), C]:
+        # per head [dn+dv, C] is the (contracted, output) layout both products read without a relayout
+        # (stored [C, H*(dn+dv)], XLA copied it twice per layer and decode step).
+        self.kv_b = param((self.n_heads * (self.dn + self.dv), c), ("heads", "kv_lora"), dtype)
         self.o_proj = Linear(self.n_heads * self.dv, d, axes=("heads", "embed"), dtype=dtype, use_bias=bias)
         self.indexer = Indexer(cfg, dtype=dtype) if indexer else None
 
@@ -255,12 +257,14 @@ class MultiLatentAttention(nnx.Module):
         if self.indexer is not None:
             selection, indexer = self.indexer(x, q_resid, pos, cache.indexer, keep_steps)
             cache = cache.replace(indexer=indexer)
-        kv_b = self.kv_b[...].astype(x.dtype).reshape(self.latent, self.n_heads, self.dn + self.dv)
-        w_k, w_v = kv_b[..., :self.dn], kv_b[..., self.dn:]
+        kv_b = self.kv_b[...].astype(x.dtype).reshape(self.n_heads, self.dn + self.dv, self.latent)
+        w_k, w_v = kv_b[:, :self.dn], kv_b[:, self.dn:]
         c = cache.latent
-        q_latent = einsum("bthd,chd->bthc", q, w_k)
+        # result in q's dtype directly (accumulated in f32 by every backend): XLA:CPU has no bf16 x bf16
+        # -> f32 dot for this layout
+        q_latent = jnp.einsum("bthd,hdc->bthc", q, w_k, precision=precision_for(q.dtype))
         scores = einsum("bthc,blc->bthl", q_latent, c).astype(jnp.float32) * self.dn ** -0.5
         scores = jnp.where(selection[:, :, None], scores, F32_MIN)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        o = einsum("bthc,chd->bthd", einsum("bthl,blc->bthc", probs, c), w_v)
+        o = einsum("bthc,hdc->bthd", einsum("bthl,blc->bthc", probs, c), w_v)
         return self.o_proj(o.reshape(b, t, self.n_heads * self.dv)), cache, selection
