@@ -1,6 +1,9 @@
 """The Anthropic surface of ``zoo serve`` (``/v1/messages``, ``count_tokens``), driven by the official
 ``anthropic`` SDK over real HTTP on 127.0.0.1, against the tiny model with a GLM-style chat template
-(so GLM-format tool calls; scripted answers)."""
+(so GLM-format tool calls; scripted answers) and a context of ``CONTEXT`` tokens. Also: requests
+shaped as Claude Code sends them (system messages inside ``messages``, ``cache_control``, adaptive
+thinking, ``?beta=true``, deferred and server tools, a huge ``max_tokens``) and malformed known
+fields (a 400 in Anthropic's error schema)."""
 
 from __future__ import annotations
 
@@ -22,16 +25,19 @@ SCRIPTS = [
     "one two END three",
     "<tool_call>get_weather<arg_key>days</arg_key><arg_value>" + "1" * 200 + "</arg_value></tool_call>",
     "<think>first second third fourth fifth sixth seventh eighth ninth tenth</think>Done.",
+    "tick " * 150,
 ]
-THINK, TOOL, NAMED, STOP, SLOW, LONG = range(6)
+THINK, TOOL, NAMED, STOP, SLOW, LONG, ENDLESS = range(7)
 TOOLS = [{"name": "get_weather", "description": "Weather forecast", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
 MAX = 256
+CONTEXT = 512
+EPHEMERAL = {"type": "ephemeral"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = scripted_model(tmp_path_factory.mktemp("glm-ckpt"), GLM_TEMPLATE, SCRIPTS)
+    model = scripted_model(tmp_path_factory.mktemp("glm-ckpt"), GLM_TEMPLATE, SCRIPTS, context=CONTEXT)
     app = create_app(model, api_key=KEY, keepalive_s=0.1, max_batch=4)
     with ServerThread(app) as s:
         assert app.state.service.tool_format == "glm"          # chosen from the chat template
@@ -182,3 +188,96 @@ def test_thinking_budget_closes_the_reasoning(server):
     with pytest.raises(anthropic.BadRequestError):
         client(server).messages.create(model="m", max_tokens=MAX, messages=[user(LONG)],
                                        thinking={"type": "enabled", "budget_tokens": 0})
+
+
+def claude_code_kwargs(**overrides) -> dict:
+    """A request shaped as Claude Code 2.1 sends it (texts shortened)."""
+    return {"model": "claude-opus-5-5", "max_tokens": 128_000,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1;"},
+                       {"type": "text", "text": "You are an agent.", "cache_control": EPHEMERAL}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>Be kind.</system-reminder>"},
+                {"type": "text", "text": say(THINK), "cache_control": EPHEMERAL}]},
+                {"role": "system", "content": [{"type": "text", "text": "# Environment", "cache_control": EPHEMERAL}],
+                 "output_config": {"effort": "medium"}}],
+            "tools": [{**TOOLS[0], "cache_control": EPHEMERAL},
+                      {"name": "Later", "description": "deferred", "input_schema": TOOLS[0]["input_schema"],
+                       "defer_loading": True},
+                      {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}],
+            "metadata": {"user_id": '{"device_id": "d"}'}, "thinking": {"type": "adaptive", "display": "omitted"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "medium"}, **overrides}
+
+
+def test_a_claude_code_request(server):
+    """Claude Code's first request: a system message after the user turn, cache_control everywhere,
+    adaptive thinking shown as omitted, deferred and server tools, ?beta=true with beta headers."""
+    c = client(server)
+    betas = ["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27"]
+    with c.beta.messages.stream(betas=betas, **claude_code_kwargs()) as stream:    # as Claude Code: streaming
+        m = stream.get_final_message()
+    assert blocks(m) == [("thinking", ""), ("text", "Hello from GLM.")]
+    assert m.stop_reason == "end_turn" and m.model == "claude-opus-5-5"
+    assert m.usage.cache_read_input_tokens == 0 and m.context_management.applied_edits == []
+    shown = c.beta.messages.create(betas=betas, **claude_code_kwargs(thinking={"type": "adaptive"}, max_tokens=64))
+    assert blocks(shown) == [("thinking", "Let me think."), ("text", "Hello from GLM.")]
+    events = raw_events(server, claude_code_kwargs())
+    assert [d["content_block"]["type"] for e, d in events if e == "content_block_start"] == ["thinking", "text"]
+    assert not [d for e, d in events if e == "content_block_delta" and d["delta"]["type"] == "thinking_delta"]
+    assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+
+
+def test_system_messages_deferred_and_server_tools_in_the_prompt(server):
+    count = lambda **kw: client(server).beta.messages.count_tokens(**{  # noqa: E731
+        k: v for k, v in claude_code_kwargs(**kw).items() if k not in ("max_tokens", "metadata")}).input_tokens
+    full = count()
+    assert full > count(messages=claude_code_kwargs()["messages"][:1])            # the system message is rendered
+    assert full == count(tools=TOOLS)                # the deferred tool and the server tool stay out of the prompt
+    loaded = [*claude_code_kwargs()["messages"][:1],
+              {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                 "input": {"city": "Oslo"}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                  {"type": "tool_reference", "tool_name": "Later"}]}]}]
+    unloaded = [*loaded[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                          "content": "Tool Later loaded."}]}]
+    assert count(messages=loaded) > count(messages=unloaded)        # the reference put the deferred tool in
+
+
+def test_a_huge_max_tokens_is_clipped_to_the_context(server):
+    c = client(server)
+    with c.messages.stream(model="m", max_tokens=10**9, messages=[user(ENDLESS)]) as stream:
+        m = stream.get_final_message()
+    assert m.stop_reason == "model_context_window_exceeded"
+    assert m.usage.input_tokens + m.usage.output_tokens == CONTEXT
+    events = raw_events(server, {"model": "m", "max_tokens": 10**9, "messages": [user(ENDLESS)]})
+    assert events[-2][1]["delta"]["stop_reason"] == "model_context_window_exceeded"
+    assert c.messages.create(model="m", max_tokens=5, messages=[user(ENDLESS)]).stop_reason == "max_tokens"
+    with c.messages.stream(model="m", max_tokens=10**9, messages=[user(THINK)]) as stream:
+        assert stream.get_final_message().stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("change, where", [
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"thinking": {"type": "adaptive", "display": "loud"}}, "thinking.display"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "forever"}}]}, "system[0].cache_control.type"),
+    ({"system": [{"type": "image", "source": {}}]}, "system[0].type"),
+    ({"cache_control": {"type": "ephemeral", "ttl": "1d"}}, "cache_control.ttl"),
+    ({"tools": [{"name": "no_schema"}]}, "tools[0]"),
+    ({"tools": [{**TOOLS[0], "cache_control": {"type": "permanent"}}]}, "tools[0].cache_control.type"),
+    ({"metadata": "user-1"}, "metadata"),
+    ({"context_management": {"edits": "all"}}, "context_management.edits"),
+    ({"max_tokens": "lots"}, "max_tokens"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+     "messages[0].content[0].cache_control.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "tool_reference"}]}]}]}, "messages[0].content[0].content[0].tool_name"),
+])
+def test_malformed_known_fields_are_a_400_in_the_anthropic_schema(server, change, where):
+    body = {k: v for k, v in claude_code_kwargs(**change).items()}
+    r = httpx.post(server.url + "/v1/messages?beta=true", json=body, timeout=60,
+                   headers={"x-api-key": KEY, "anthropic-version": "2023-06-01", "anthropic-beta": "x-2025-01-01"})
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"].startswith(where), r.json()

@@ -137,8 +137,9 @@ class ScriptedLM(nnx.Module):
         return logits, hidden, ScriptCache(inner=inner, script=script, step=step)
 
 
-def checkpoint_with_template(root: Path, template: str) -> Path:
-    """A copy of the embedded tiny checkpoint whose tokenizer carries ``template``."""
+def checkpoint_with_template(root: Path, template: str, context: int | None = None) -> Path:
+    """A copy of the embedded tiny checkpoint whose tokenizer carries ``template`` (and whose
+    context, ``max_position_embeddings``, is ``context`` if given)."""
     src, dst = embedded_path("qwen38-tiny"), Path(root)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -146,12 +147,17 @@ def checkpoint_with_template(root: Path, template: str) -> Path:
     cfg = json.loads((src / "tokenizer_config.json").read_text())
     cfg["chat_template"] = template
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if context is not None:
+        config = json.loads((src / "config.json").read_text())
+        config["max_position_embeddings"] = context
+        (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
-def scripted_model(root: Path, template: str, scripts: list[str]) -> Model:
-    """The tiny model (float32) with ``template`` and scripted answers ``scripts``."""
-    base = zoo.load(checkpoint_with_template(root, template), dtype="float32")
+def scripted_model(root: Path, template: str, scripts: list[str], context: int | None = None) -> Model:
+    """The tiny model (float32) with ``template``, scripted answers ``scripts`` and, if given, a
+    ``context`` other than its own."""
+    base = zoo.load(checkpoint_with_template(root, template, context), dtype="float32")
     tok = base.tokenizer
     module = ScriptedLM(base.module, [tok.encode(s) for s in scripts], mark=tok.token_to_id(MARK),
                         first_letter=tok.encode("A")[0], eos=tok.eos_token_ids[0])

@@ -124,6 +124,26 @@ def coalesce(events: list) -> list:
     return out
 
 
+def fold_system_messages(messages: list[dict]) -> list[dict]:
+    """``messages`` (template form) with their system text where every chat template takes it: the
+    system messages before any other become one leading system message; a later one (agent clients
+    send them mid-conversation) joins the user turn it follows, or starts one."""
+    head: list[str] = []
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] != "system":
+            out.append(m)
+        elif not m["content"]:
+            continue
+        elif not out:
+            head.append(m["content"])
+        elif out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append({"role": "user", "content": m["content"]})
+    return ([{"role": "system", "content": "\n\n".join(head)}] if head else []) + out
+
+
 @dataclass
 class ChatPrompt:
     """A rendered chat request: prompt ids, the parser for its output, events of a forced prefix."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, ValidationError
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -29,15 +31,31 @@ class ApiError(Exception):
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
-def validation_error(e: ValidationError) -> ApiError:
-    """A 400 naming the first invalid field of a request body."""
-    err = e.errors()[0]
-    if err["type"] == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {err['msg']}")
-    loc = ""
-    for p in err["loc"]:
-        loc += f"[{p}]" if isinstance(p, int) else (f".{p}" if loc else str(p))
-    return ApiError(400, f"{loc or 'body'}: {err['msg']}", param=loc or None)
+_BRANCH = re.compile(r"\[|^(str|int|float|bool|dict|list|none|function-\w+)$")   # a union member's label
+
+
+def field_path(loc, prefix: str = "") -> str:
+    """A pydantic error location as ``a.b[0].c`` (the labels pydantic gives union members left out)."""
+    out = prefix
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif not _BRANCH.search(p):
+            out += f".{p}" if out else str(p)
+    return out
+
+
+def validation_error(e: ValidationError, prefix: str = "", skip: int = 0) -> ApiError:
+    """A 400 naming the most specific invalid field of a request body (or of the part of it at
+    ``prefix``, the first ``skip`` parts of each location left out); where the field could take
+    one of several forms, what each form expects."""
+    errors = e.errors()
+    if errors[0]["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {errors[0]['msg']}")
+    located = [(field_path(err["loc"][skip:], prefix), err["msg"]) for err in errors]
+    deepest = max(located, key=lambda x: x[0].count(".") + x[0].count("["))[0]
+    messages = list(dict.fromkeys(msg for path, msg in located if path == deepest))
+    return ApiError(400, f"{deepest or 'body'}: {' or '.join(messages)}", param=deepest or None)
 
 
 def parse_body(model: type[BaseModel], raw: bytes):
