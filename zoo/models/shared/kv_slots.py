@@ -1,6 +1,7 @@
 """Slot buffers: a cache of L token slots per row, written at a per-row index.
 
-    write_slots(buf [B, L, ...], new [B, T, ...], write_at [B], axes=None) -> buf
+    write_slots(buf [B, L, ...], new [B, T, ...], write_at [B], axes=None, slot_axis=1) -> buf
+    (``slot_axis``: where the slots are, the same for ``new``'s tokens, e.g. 2 for ``[B, H, L, D]``)
 
 With the buffer's logical ``axes`` and a mesh that splits its slot axis (the MLA latent cache in
 "tp": ``latent_len``), every chip writes the tokens that fall in its own slots, under
@@ -18,9 +19,11 @@ from jax.sharding import PartitionSpec
 from zoo.sharding.mesh import current_mesh, partition_spec
 
 
-def _write(buf: jax.Array, new: jax.Array, write_at: jax.Array) -> jax.Array:
+def _write(buf: jax.Array, new: jax.Array, write_at: jax.Array, slot_axis: int = 1) -> jax.Array:
     def one(b, n, i):
-        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (i,) + (0,) * (b.ndim - 1))
+        corner = [0] * b.ndim
+        corner[slot_axis - 1] = i
+        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), tuple(corner))
     return jax.vmap(one)(buf, new, write_at)
 
 
@@ -45,13 +48,16 @@ def _write_local(buf: jax.Array, new: jax.Array, offset: jax.Array) -> jax.Array
     return jax.vmap(one)(buf, new, start, offset)
 
 
-def write_slots(buf: jax.Array, new: jax.Array, write_at: jax.Array, axes: tuple | None = None) -> jax.Array:
+def write_slots(buf: jax.Array, new: jax.Array, write_at: jax.Array, axes: tuple | None = None,
+                slot_axis: int = 1) -> jax.Array:
     """Write ``new [B, T, ...]`` into ``buf [B, L, ...]`` at per-row slot ``write_at [B]`` (see the
-    module docstring for ``axes``)."""
+    module docstring for ``axes`` and ``slot_axis``)."""
     mesh = current_mesh() if axes is not None else None
     spec = partition_spec(axes, tuple(buf.shape), mesh) if mesh is not None else None
-    if spec is None or spec[1] is None:
-        return _write(buf, new, write_at)
+    if spec is None or spec[slot_axis] is None:
+        return _write(buf, new, write_at, slot_axis)
+    if slot_axis != 1:
+        raise NotImplementedError("a buffer split over its slots keeps them on axis 1")
     slot_axis = spec[1]
 
     def local(b, n, w):
