@@ -27,9 +27,9 @@ def run(model: Model, k: int, prompts, n_tokens: int) -> dict:
     calls = {"step": 0}
     step_fn = gen._step_fn
 
-    def counted(*a):
+    def counted(*a, **kw):
         calls["step"] += 1
-        return step_fn(*a)
+        return step_fn(*a, **kw)
 
     gen.generate(prompts, max_new_tokens=8)                 # compile every program once
     gen._step_fn = counted

@@ -251,14 +251,17 @@ class Model:
         return self._generators[spec_tokens]
 
     def generate(self, input_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, stop=None, spec_tokens: int = 0):
+                 top_k: int = 0, seed: int = 0, stop=None, spec_tokens: int = 0, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None):
         """Generate for each prompt in ``input_ids`` (a list of token lists) -> list[Generation].
 
         ``stop``: token ids and/or strings; ``spec_tokens`` k > 0 drafts k tokens per step with the
-        model's MTP head (output identical to plain decoding at temperature 0)."""
+        model's MTP head (output identical to plain decoding at temperature 0). ``logprobs`` /
+        ``prompt_logprobs`` N: ``Generation.logprobs`` / ``.prompt_logprobs``, a ``TokenLogprob``
+        per generated / prompt token with N alternatives (``max_new_tokens`` 0: the prompt's only)."""
         return self.generator(spec_tokens).generate(
             input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop)
+            seed=seed, stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def stream(self, input_ids, *, spec_tokens: int = 0, **kwargs):
         """Iterator over the generated token ids of one prompt (a list of ints)."""

@@ -7,7 +7,9 @@ tokens to answer events.
                        -> OutputParser (ReasoningParser, then the model's ToolParser)
                        -> Reasoning / Text / ToolCallStart / ToolCallArgs / ToolCallEnd events
     driver   ``Service.events(job, ...)``: those events as tokens arrive, ``KEEPALIVE`` after a
-             silent tick, then one ``Finish``; cancels the request if the consumer goes away
+             silent tick, then one ``Finish``; cancels the request if the consumer goes away.
+             A request with logprobs also gets a ``Logprobs`` event before the events of the
+             tokens it scores (every generated token, reasoning included, in order)
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import jinja2
 
 from zoo.serving.engine_thread import TICK, EngineThread, Job
 from zoo.serving.errors import ApiError
+from zoo.serving.logprob_render import LogprobRenderer
+from zoo.serving.logprobs import TokenLogprob
 from zoo.serving.reasoning import CLOSE, Reasoning, ReasoningParser, Text, partial_suffix, prompt_opens_reasoning
 from zoo.serving.tool_parsers import PARSERS, ToolCallArgs, ToolCallStart, ToolParser, call_prefix
 
@@ -40,6 +44,12 @@ class Finish:
     stop_sequence: str | None = None
     tool_calls: bool = False
     error: str | None = None
+
+
+@dataclass
+class Logprobs:
+    """The logprob records of tokens that just arrived (their text follows in the next events)."""
+    records: list[TokenLogprob]
 
 
 class TextDecoder:
@@ -167,6 +177,15 @@ class Service:
 
     def __post_init__(self):
         self._hidden = frozenset(i for i, t in self.tokenizer.special_tokens().items() if t not in KEEP)
+        self.logprob_renderer = LogprobRenderer(self.tokenizer)
+
+    def check_token_ids(self, ids: list[int], where: str) -> None:
+        """400 naming the first id of ``ids`` outside the tokenizer's vocabulary."""
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ApiError(400, f"{where}[{i}]: token id {t} is not in the vocabulary (0..{vocab - 1})",
+                               param=where)
 
     def decoder(self, stop: list[str] = ()) -> TextDecoder:
         """A detokenizer for one request's output, ending the text at any of ``stop``."""
@@ -211,20 +230,24 @@ class Service:
     # -- generation -------------------------------------------------------------------------------
     async def start(self, ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
                     top_k: int, seed: int | None, thinking_budget: int | None = None,
-                    thinking_opened: bool = False) -> Job:
+                    thinking_opened: bool = False, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> Job:
         """Submit a request and wait until it is admitted (429 / 503 from the queue; 400 if the
         engine can never fit it). ``thinking_budget``: reasoning tokens after which ``</think>`` is
-        forced (``thinking_opened``: the prompt ends inside ``<think>``)."""
+        forced (``thinking_opened``: the prompt ends inside ``<think>``). ``logprobs`` /
+        ``prompt_logprobs``: alternatives per generated / prompt token (None: no logprobs);
+        ``max_tokens`` 0 (prompt logprobs only) needs ``prompt_logprobs``."""
         if len(ids) >= self.context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
         budget = self.context - len(ids)
-        max_new = min(max_tokens or self.default_max_tokens, budget)
+        max_new = min(self.default_max_tokens if max_tokens is None else max_tokens, budget)
         if thinking_budget is None:
             thinking_budget = self.thinking_budget
         job = self.engine.submit(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
                                  seed=random.getrandbits(31) if seed is None else seed,
-                                 thinking_budget=thinking_budget, thinking_opened=thinking_opened)
+                                 thinking_budget=thinking_budget, thinking_opened=thinking_opened,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             await job.admitted()
         except BaseException:
@@ -242,6 +265,7 @@ class Service:
         tick = tick or self.keepalive_s
         tool_calls = any(isinstance(e, ToolCallStart) for e in initial)
         last = time.monotonic()               # when the consumer last got something
+        scored = 0                            # logprob records already passed on
         try:
             for e in coalesce(list(initial)):
                 yield e
@@ -249,6 +273,9 @@ class Service:
                 item = await job.next(tick)
                 if item is not TICK:
                     tokens, done = item
+                    if len(job.logprobs) > scored:
+                        yield Logprobs(job.logprobs[scored:])
+                        scored = len(job.logprobs)
                     text = decoder.feed(tokens)
                     if decoder.stopped is not None and not done:
                         job.cancel("stop")

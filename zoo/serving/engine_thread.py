@@ -32,6 +32,7 @@ class Job:
         self.req = None                     # the engine's Request
         self.admitted_to_row = False
         self.received = 0                   # tokens received so far
+        self.logprobs: list = []            # their TokenLogprob records, if the request asked for them
         self.finished = False               # the engine is done with it (or the engine failed)
         self.error: str | None = None
         self.reason = "cancelled"           # the finish reason if the server stops it (see ``cancel``)
@@ -43,7 +44,9 @@ class Job:
         self._call(self._admit)
 
     def on_tokens(self, req, tokens: list[int]) -> None:
-        self._call(self._arrive, list(tokens))
+        # the engine appended these tokens' records just before calling (same thread): take them now
+        recs = req.token_logprobs[len(req.token_logprobs) - len(tokens):] if req.logprobs is not None else []
+        self._call(self._arrive, (list(tokens), recs))
 
     def on_finish(self, req) -> None:
         self._call(self._arrive, None)
@@ -81,7 +84,8 @@ class Job:
 
     async def next(self, tick: float):
         """The tokens that arrived since the last call (waiting up to ``tick`` s) and whether the
-        request is finished: ``(tokens, done)``, or ``TICK`` when nothing arrived."""
+        request is finished: ``(tokens, done)``, or ``TICK`` when nothing arrived. Their logprob
+        records (if asked for) are appended to ``logprobs``."""
         try:
             item = await asyncio.wait_for(self._queue.get(), tick)
         except TimeoutError:
@@ -91,7 +95,8 @@ class Job:
             if item is None:
                 done = True
             else:
-                tokens += item
+                tokens += item[0]
+                self.logprobs += item[1]
             if self._queue.empty():
                 break
             item = self._queue.get_nowait()
@@ -161,7 +166,8 @@ class EngineThread:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-               seed: int, thinking_budget: int | None = None, thinking_opened: bool = False) -> Job:
+               seed: int, thinking_budget: int | None = None, thinking_opened: bool = False,
+               logprobs: int | None = None, prompt_logprobs: int | None = None) -> Job:
         """Queue a request (call from the event loop); 429 when the queue is full, 503 if the engine died."""
         if not self.alive:
             raise ApiError(503, self.error or "the engine is not running", code="engine_down")
@@ -172,7 +178,8 @@ class EngineThread:
         job.req = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                               top_p=top_p, top_k=top_k, seed=seed, on_tokens=job.on_tokens,
                                               on_finish=job.on_finish, on_admit=job.on_admit,
-                                              thinking_budget=thinking_budget, thinking_opened=thinking_opened)
+                                              thinking_budget=thinking_budget, thinking_opened=thinking_opened,
+                                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         with self._lock:
             self._jobs.add(job)
         self._waiting += 1

@@ -16,6 +16,13 @@ length, then inserted into a free row. The batch grows (rows doubling from ``MIN
 slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_budget`` allows;
 otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
 
+Log-probabilities (``zoo.serving.logprobs``): a request with ``logprobs`` N gets a ``TokenLogprob``
+per generated token (its logprob and N alternatives) in ``Request.token_logprobs``, computed inside
+the same programs (the step and the first-token program take a static top-K; steps where no row
+asks run without). ``prompt_logprobs`` N: the prefill also yields the prompt tokens' logprobs
+(``Request.prompt_token_logprobs``, the first one None); with ``max_new_tokens == 0`` the request
+ends after its prefill (an echo of the prompt's logprobs, as lm-evaluation-harness asks for).
+
 Forced tokens: a request may have ids queued in ``Request.forcing`` (a thinking budget closing the
 reasoning, ``zoo.serving.thinking``); each step then emits the next of them for that row instead of
 sampling (speculative rows reject their drafts that step), and the model continues from it.
@@ -37,6 +44,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo.serving import speculative
+from zoo.serving.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token_logprobs, top_bucket
 from zoo.serving.sampling import sample
 from zoo.serving.thinking import ThinkingBudget
 from zoo.sharding.cache_axes import cache_shardings, shard_cache
@@ -53,6 +61,8 @@ class Generation:
     tokens: list[int]
     finish_reason: str                     # "stop", "length", "cancelled" or "error" (see stats["error"])
     stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None          # per token, if the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None   # per prompt token (the first: logprob None)
 
 
 @dataclass(eq=False)
@@ -77,9 +87,15 @@ class Request:
     stats: dict = field(default_factory=dict)
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    logprobs: int | None = None            # alternatives per generated token (None: no logprobs)
+    prompt_logprobs: int | None = None     # alternatives per prompt token (None: no prompt logprobs)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)    # aligned with ``tokens``
+    prompt_token_logprobs: list[TokenLogprob] | None = None             # set by the prefill
 
     def result(self) -> Generation:
-        return Generation(list(self.tokens), self.finish_reason or "length", dict(self.stats))
+        return Generation(list(self.tokens), self.finish_reason or "length", dict(self.stats),
+                          None if self.logprobs is None else list(self.token_logprobs),
+                          self.prompt_token_logprobs)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -108,10 +124,14 @@ def _row_keys(params: dict) -> jax.Array:
     return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params["seed"], params["step"])
 
 
-def _first_token(logits: jax.Array, params: dict) -> jax.Array:
-    """The token sampled from the prefill's last logits (PRNG step 0)."""
+def _first_token(logits: jax.Array, params: dict, top_n: int | None = None):
+    """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0); with ``top_n``,
+    also its ``token_logprobs`` ([B, 1] leaves)."""
     keys = _row_keys({**params, "step": jnp.zeros_like(params["step"])})
-    return sample(logits, keys, params["temperature"], params["top_k"], params["top_p"])
+    tok = sample(logits, keys, params["temperature"], params["top_k"], params["top_p"])
+    if top_n is None:
+        return tok
+    return tok, token_logprobs(logits[:, None], tok[:, None], top_n)
 
 
 class Generator:
@@ -141,14 +161,15 @@ class Generator:
         self._batch = None
         self._B = self._L = 0
         self._cache_bytes: dict[tuple[int, int], int] = {}
-        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
-        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(5,))
+        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("top_n",))
+        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(5,), static_argnames=("top_n",))
         self._insert_fn = jax.jit(lambda batch, row, r: jax.tree.map(
             lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row),
             donate_argnums=(0,))
         self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
         self._grow_fn = jax.jit(_embed, donate_argnums=(1,))
-        self._first_fn = jax.jit(_first_token)     # eager sampling would recompile its cond per request
+        # jitted: eager sampling would recompile its cond per request
+        self._first_fn = jax.jit(_first_token, static_argnames=("top_n",))
         for name in ("_step_fn", "_prefill_fn", "_insert_fn", "_empty_fn", "_grow_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
 
@@ -166,23 +187,31 @@ class Generator:
                   "step": jnp.zeros((rows,), jnp.int32)}
         return {"cache": cache, "carry": carry, "params": params}
 
-    def _prefill_impl(self, state, ids, mask, next_ids, next_mask, cache):
-        """One prompt chunk [1, C]; with spec, also the MTP rows (h_t, x_{t+1}) of the chunk."""
+    def _prefill_impl(self, state, ids, mask, next_ids, next_mask, cache, top_n: int | None = None):
+        """One prompt chunk [1, C]; with spec, also the MTP rows (h_t, x_{t+1}) of the chunk.
+        Returns (last logits [1, V], last hidden [1, D], cache), and with ``top_n`` the
+        ``token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t)."""
         model = nnx.merge(self._graphdef, state)
         logits, hidden, cache = model(ids, mask, cache)
         if self.k:
             _, _, cache = model.mtp_forward(hidden, next_ids, next_mask, cache)
+        if top_n is not None:
+            return logits[:, -1], hidden[:, -1], shard_cache(cache), token_logprobs(logits, next_ids, top_n)
         return logits[:, -1], hidden[:, -1], shard_cache(cache)
 
-    def _step_impl(self, state, batch, active, force, cap):
+    def _step_impl(self, state, batch, active, force, cap, top_n: int | None = None):
         """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
-        ``cap`` [B] int32: the most tokens a speculative row may emit this step."""
+        ``cap`` [B] int32: the most tokens a speculative row may emit this step. Returns (batch,
+        tokens [B, T], n [B]) and with ``top_n`` the ``token_logprobs`` of ``tokens`` ([B, T] leaves)
+        from the target model's logits (the verify logits when speculating)."""
         model = nnx.merge(self._graphdef, state)
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
         keys = _row_keys(params)
         if self.k:
-            cache, carry, tokens, n = speculative.spec_step(model, cache, carry, active, keys, params, self.k,
-                                                            force, cap)
+            out = speculative.spec_step(model, cache, carry, active, keys, params, self.k, force, cap,
+                                        with_logits=top_n is not None)
+            cache, carry, tokens, n = out[:4]
+            logits = out[4] if top_n is not None else None
         else:
             tok = carry["tok"]
             logits, _, cache = model(tok[:, None], active[:, None], cache)
@@ -191,7 +220,10 @@ class Generator:
             carry = {"tok": jnp.where(active, new, tok)}
             tokens, n = new[:, None], active.astype(jnp.int32)
         params = {**params, "step": params["step"] + active.astype(jnp.int32)}
-        return {"cache": shard_cache(cache), "carry": carry, "params": params}, tokens, n
+        batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
+        if top_n is not None:
+            return batch, tokens, n, token_logprobs(logits, tokens, top_n)
+        return batch, tokens, n
 
     # -- ahead of time ------------------------------------------------------------------------
     @property
@@ -280,15 +312,33 @@ class Generator:
         ids[0, total - n:total], mask[0, total - n:total] = req.prompt, True
         row = self._empty_fn(1, self._L)
         cache = row["cache"]
+        prompt_top = top_bucket([] if req.prompt_logprobs is None else [req.prompt_logprobs])
+        scored = []                                   # per chunk: logprobs of the token after each position
         for c in range(0, total, min(total, chunk)):
             sl = slice(c, c + min(total, chunk))
             nxt = slice(sl.start + 1, sl.stop + 1)
-            logits, h_last, cache = self._prefill_fn(self._state, ids[:, sl], mask[:, sl], ids[:, nxt],
-                                                     mask[:, sl] & mask[:, nxt], cache)
+            out = self._prefill_fn(self._state, ids[:, sl], mask[:, sl], ids[:, nxt], mask[:, sl] & mask[:, nxt],
+                                   cache, top_n=prompt_top)
+            logits, h_last, cache = out[:3]
+            if prompt_top is not None:
+                scored.append(to_numpy(out[3]))
+        if prompt_top is not None:
+            at = {key: np.concatenate([s[key][0] for s in scored])[total - n:total - 1] for key in scored[0]}
+            req.prompt_token_logprobs = [TokenLogprob(req.prompt[0], None)] + records(
+                req.prompt[1:], at, req.prompt_logprobs)
+        req.stats.update(prompt_tokens=n, drafted=0, accepted=0, accepted_by_position=[0] * self.k, steps=0)
+        if req.max_new_tokens == 0:                   # prompt logprobs only: no row kept
+            req.stats["time_to_first_token"] = time.perf_counter() - t0
+            return self._finish(req, "length")
         params = {"temperature": jnp.float32([req.temperature]), "top_k": jnp.int32([req.top_k]),
                   "top_p": jnp.float32([req.top_p]), "seed": jnp.uint32([req.seed & 0xFFFFFFFF]),
                   "step": jnp.int32([1])}
-        first = self._first_fn(logits, params)
+        first_top = top_bucket([] if req.logprobs is None else [req.logprobs])
+        first = self._first_fn(logits, params, top_n=first_top)
+        first_lp = None
+        if first_top is not None:
+            first, out = first
+            first_lp = records([int(first[0])], {key: v[0] for key, v in to_numpy(out).items()}, req.logprobs)
         if self.k:
             h = jnp.zeros((1, self.k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
             tok = jnp.zeros((1, self.k + 1), jnp.int32).at[:, 0].set(first)
@@ -296,16 +346,19 @@ class Generator:
         else:
             carry = {"tok": first}
         self._batch = self._insert_fn(self._batch, {"cache": cache, "carry": carry, "params": params}, r)
-        req.stats.update(prompt_tokens=n, drafted=0, accepted=0, accepted_by_position=[0] * self.k,
-                         steps=0, time_to_first_token=time.perf_counter() - t0)
-        self._deliver(req, [int(first[0])])
+        req.stats["time_to_first_token"] = time.perf_counter() - t0
+        self._deliver(req, [int(first[0])], first_lp)
 
     # -- stepping -----------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         if not req.prompt:
             raise ValueError("a request needs at least one prompt token")
-        if req.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
+        if req.max_new_tokens < (0 if req.prompt_logprobs is not None else 1):
+            raise ValueError("max_new_tokens must be >= 1 (0 only with prompt_logprobs)")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(req, name)
+            if n is not None and not 0 <= n <= MAX_TOP:
+                raise ValueError(f"{name} must be in 0..{MAX_TOP}, got {n}")
         req.stats.setdefault("submitted", time.perf_counter())
         with self._lock:
             self._waiting.append(req)
@@ -356,13 +409,19 @@ class Generator:
             return bool(self._waiting)
         force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
         cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
-        self._batch, tokens, counts = self._step_fn(self._state, self._batch, jnp.asarray(active),
-                                                    jnp.asarray(force), jnp.asarray(cap))
+        top_n = top_bucket([r.logprobs for r in self._rows if r is not None and r.logprobs is not None])
+        out = self._step_fn(self._state, self._batch, jnp.asarray(active), jnp.asarray(force), jnp.asarray(cap),
+                            top_n=top_n)
+        self._batch, tokens, counts = out[:3]
         tokens, counts = np.asarray(tokens), np.asarray(counts)
+        scored = to_numpy(out[3]) if top_n is not None else None
         for r, req in enumerate(self._rows):
             if req is None:
                 continue
             n = int(counts[r])
+            recs = None
+            if req.logprobs is not None:
+                recs = records(tokens[r, :n], {key: v[r] for key, v in scored.items()}, req.logprobs)
             req.stats["steps"] += 1
             if force[r] >= 0:
                 req.forcing.popleft()
@@ -372,7 +431,7 @@ class Generator:
                 req.stats["accepted"] += n - 1
                 for i in range(n - 1):
                     req.stats["accepted_by_position"][i] += 1
-            self._deliver(req, tokens[r, :n].tolist())
+            self._deliver(req, tokens[r, :n].tolist(), recs)
         return True
 
     def _room(self, req: Request) -> int:
@@ -381,19 +440,20 @@ class Generator:
         thinking = None if req.thinking is None else req.thinking.room()
         return max(1, room if thinking is None else min(room, thinking))
 
-    def _deliver(self, req: Request, new: list[int]) -> None:
-        """Append sampled tokens, applying stop ids, stop strings and the length limit."""
+    def _deliver(self, req: Request, new: list[int], recs: list[TokenLogprob] | None = None) -> None:
+        """Append sampled tokens (and their logprob records, aligned), applying stop ids, stop
+        strings and the length limit."""
         if req.finish_reason is not None:
             return
         accepted = []
         for tok in new:
             if tok in req.stop_ids:
-                self._emit(req, accepted)
+                self._emit(req, accepted, recs)
                 return self._finish(req, "stop")
             accepted.append(tok)
             if len(req.tokens) + len(accepted) >= req.max_new_tokens:
                 break
-        self._emit(req, accepted)
+        self._emit(req, accepted, recs)
         if req.thinking is not None:
             req.forcing.extend(req.thinking.observe(accepted))
         if req.stop_strings and self._cut_at_stop_string(req):
@@ -401,8 +461,10 @@ class Generator:
         if len(req.tokens) >= req.max_new_tokens:
             self._finish(req, "length")
 
-    def _emit(self, req: Request, tokens: list[int]) -> None:
+    def _emit(self, req: Request, tokens: list[int], recs: list[TokenLogprob] | None = None) -> None:
         if tokens:
+            if recs is not None:
+                req.token_logprobs.extend(recs[:len(tokens)])
             req.tokens.extend(tokens)
             if req.on_tokens is not None:
                 req.on_tokens(req, tokens)
@@ -416,6 +478,7 @@ class Generator:
         cut = min(hits)
         while req.tokens and len(tok.decode(req.tokens)) > cut:
             req.tokens.pop()
+        del req.token_logprobs[len(req.tokens):]
         return True
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -433,9 +496,12 @@ class Generator:
     # -- Python API ---------------------------------------------------------------------------
     def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
                      top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None,
-                     thinking_budget: int | None = None, thinking_opened: bool = False) -> Request:
+                     thinking_budget: int | None = None, thinking_opened: bool = False,
+                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> Request:
         """``thinking_budget``: reasoning tokens after which ``</think>`` is forced (see
-        ``zoo.serving.thinking``); ``thinking_opened``: the prompt ends inside ``<think>``."""
+        ``zoo.serving.thinking``); ``thinking_opened``: the prompt ends inside ``<think>``.
+        ``logprobs`` / ``prompt_logprobs``: report log-probabilities of the generated / prompt tokens
+        with that many alternatives each (None: not computed; see the module doc)."""
         stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
         strings = tuple(s for s in stop if isinstance(s, str))
         if strings and self.model.tokenizer is None:
@@ -443,7 +509,8 @@ class Generator:
         ids = frozenset(int(s) for s in stop if not isinstance(s, str)) | self.eos_token_ids
         thinking = None if thinking_budget is None else self.thinking_budget(thinking_budget, thinking_opened)
         return Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
-                       int(top_k), int(seed), ids, strings, on_tokens, on_finish, on_admit, thinking)
+                       int(top_k), int(seed), ids, strings, on_tokens, on_finish, on_admit, thinking,
+                       logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def thinking_budget(self, budget: int, opened: bool = False) -> ThinkingBudget:
         """A ``ThinkingBudget`` with this model's ``<think>`` / ``</think>`` token ids."""

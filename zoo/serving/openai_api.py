@@ -5,6 +5,13 @@ and sampling parameters for ``Service``, and renders ``Service.events`` as one J
 as SSE chunks (``data: {...}``, ``: keep-alive`` comments when silent, ``data: [DONE]``).
 Reasoning comes back as ``reasoning_content``; tool calls as ``tool_calls`` (arguments streamed
 as deltas); ``stream_options.include_usage`` adds the final usage chunk.
+
+Log-probabilities (``zoo.serving.logprobs``): chat ``logprobs: true`` (+ ``top_logprobs`` 0..20)
+gives ``choices[].logprobs.content`` for every generated token (reasoning included), streamed
+chunks carrying those of the tokens that arrived with them; completions ``logprobs: N`` (0..20)
+gives the legacy object, and with ``echo`` the prompt's tokens first (the first one's logprob
+None). Completions take a list of prompts (one choice each, not streamed) and ``max_tokens: 0``
+with ``echo`` (prompt logprobs only: lm-evaluation-harness's log-likelihood requests).
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, OutputParser, collect_finished
+from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, Logprobs, OutputParser, collect_finished
 from zoo.serving.errors import ApiError, parse_body
+from zoo.serving.logprobs import MAX_TOP
 from zoo.serving.reasoning import Reasoning, Text
 from zoo.serving.tool_parsers import ToolCallArgs, ToolCallStart
 
@@ -59,10 +67,11 @@ class Sampling(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: Literal[1] = 1
-    logprobs: bool | int | None = None
 
 
 class ChatRequest(Sampling):
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     messages: list[dict] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
@@ -74,8 +83,9 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     echo: bool = False
     suffix: str | None = None
 
@@ -83,8 +93,6 @@ class CompletionRequest(Sampling):
 def parse(model: type[Sampling], raw: bytes):
     """Validate a JSON body (400 naming the first bad field) and what this server does not do."""
     body = parse_body(model, raw)
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
     if isinstance(body.stop, list) and len(body.stop) > 16:
         raise ApiError(400, "at most 16 stop sequences", param="stop")
     return body
@@ -203,6 +211,9 @@ async def chat_completions(request: Request):
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise ApiError(400, "response_format: only 'text' is supported", param="response_format")
     choice, name = _tool_choice(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     thinking = None if body.reasoning_effort is None else body.reasoning_effort not in EFFORT_OFF
     kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort is not None:
@@ -215,14 +226,15 @@ async def chat_completions(request: Request):
     job = await service.start(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
                               temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                               seed=body.seed, thinking_budget=body.thinking_budget,
-                              thinking_opened=prompt.opens_reasoning)
+                              thinking_opened=prompt.opens_reasoning, logprobs=logprobs)
     events = service.events(job, service.decoder(_stops(body.stop)), prompt.parser, prompt.initial,
                             tick=None if body.stream else POLL_S)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model or
             service.model_name}
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_chat_chunks(events, job, head, usage), ping=0, sep="\n")
+        render = service.logprob_renderer.chat if logprobs is not None else None
+        return EventSourceResponse(_chat_chunks(events, job, head, usage, render), ping=0, sep="\n")
     result = await collect_finished(events, request, job)
     if result is None:
         return None                         # the client is gone
@@ -241,24 +253,37 @@ async def chat_completions(request: Request):
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
+    scored = None
+    if logprobs is not None:
+        scored = {"content": service.logprob_renderer.chat([r for e in out if isinstance(e, Logprobs)
+                                                            for r in e.records])}
     return {**head, "object": "chat.completion", "usage": _usage(finish),
             "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(finish),
-                         "logprobs": None}]}
+                         "logprobs": scored}]}
 
 
-async def _chat_chunks(events, job, head: dict, include_usage: bool):
+async def _chat_chunks(events, job, head: dict, include_usage: bool, render_logprobs=None):
+    """SSE chunks; with ``render_logprobs`` each chunk carries the logprobs of the tokens that
+    arrived since the last chunk (``logprobs.content``)."""
     base = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
+    pending: list = []
 
     def chunk(delta: dict, finish_reason=None) -> ServerSentEvent:
+        scored = None
+        if render_logprobs is not None and pending:
+            scored = {"content": render_logprobs(pending)}
+            pending.clear()
         data = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                     "logprobs": None}], **extra}
+                                     "logprobs": scored}], **extra}
         return ServerSentEvent(json.dumps(data, ensure_ascii=False), sep="\n")
 
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for e in events:
-            if e is KEEPALIVE:
+            if isinstance(e, Logprobs):
+                pending += e.records
+            elif e is KEEPALIVE:
                 yield ServerSentEvent(comment="keep-alive", sep="\n")
             elif isinstance(e, Text):
                 yield chunk({"content": e.text})
@@ -281,48 +306,111 @@ async def _chat_chunks(events, job, head: dict, include_usage: bool):
         job.cancel()
 
 
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one string or id list each (400 if there are none or one is empty)."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise ApiError(400, "prompt: empty", param="prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ApiError(400, f"prompt[{i}]: empty" if len(prompts) > 1 else "prompt: empty", param="prompt")
+    return prompts
+
+
 @router.post("/v1/completions")
 async def completions(request: Request):
     service = request.app.state.service
     body = parse(CompletionRequest, await request.body())
-    if body.echo or body.suffix:
-        raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise ApiError(400, "prompt: one prompt per request (n=1)", param="prompt")
-        prompt = prompt[0]
-    ids = await run_in_threadpool(service.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise ApiError(400, "prompt: empty", param="prompt")
-    job = await service.start(ids, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=max(body.top_k, 0), seed=body.seed)
-    events = service.events(job, service.decoder(_stops(body.stop)), OutputParser(reasoning=False),
-                            tick=None if body.stream else POLL_S)
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens: 0 only with echo (the prompt's logprobs)", param="max_tokens")
+    prompts = _prompts(body)
+    if body.stream and (body.echo or len(prompts) > 1):
+        raise ApiError(400, "stream: echo and several prompts need a non-streaming request",
+                       param="echo" if body.echo else "prompt")
+    ids = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            ids.append(await run_in_threadpool(service.tokenizer.encode, p))
+            if not ids[-1]:
+                raise ApiError(400, "prompt: empty", param="prompt")
+        else:
+            service.check_token_ids(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            ids.append(list(p))
+    prompt_logprobs = None
+    if body.echo and body.logprobs is not None:
+        prompt_logprobs = body.logprobs
+    elif body.max_tokens == 0:
+        prompt_logprobs = 0                 # a prefill only; its logprobs go unreported
+    jobs = []
+    try:
+        for p in ids:
+            jobs.append(await service.start(p, max_tokens=body.max_tokens, temperature=body.temperature,
+                                            top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
+                                            logprobs=body.logprobs, prompt_logprobs=prompt_logprobs))
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or service.model_name}
+    stream = [service.events(job, service.decoder(_stops(body.stop)), OutputParser(reasoning=False),
+                             tick=None if body.stream else POLL_S) for job in jobs]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_completion_chunks(events, job, head, usage), ping=0, sep="\n")
-    result = await collect_finished(events, request, job)
-    if result is None:
-        return None                         # the client is gone
-    out, finish = result
-    return {**head, "usage": _usage(finish), "choices": [{"index": 0, "text": "".join(e.text for e in out),
-                                                          "finish_reason": finish.reason, "logprobs": None}]}
+        render = service.logprob_renderer.completion if body.logprobs is not None else None
+        return EventSourceResponse(_completion_chunks(stream[0], jobs[0], head, usage, render), ping=0, sep="\n")
+    choices, finishes = [], []
+    for index, (p, job, events) in enumerate(zip(prompts, jobs, stream)):
+        result = await collect_finished(events, request, job)
+        if result is None:
+            for other in jobs:
+                other.cancel()
+            return None                     # the client is gone
+        out, finish = result
+        finishes.append(finish)
+        text = "".join(e.text for e in out if not isinstance(e, Logprobs))
+        echoed = (p if isinstance(p, str) else service.tokenizer.decode(p, skip_special_tokens=False)) if body.echo \
+            else ""
+        scored = None
+        if body.logprobs is not None:
+            recs = (job.req.prompt_token_logprobs or []) if body.echo else []
+            scored = service.logprob_renderer.completion(recs + job.logprobs)
+        choices.append({"index": index, "text": echoed + text, "finish_reason": finish.reason, "logprobs": scored})
+    usage = {"prompt_tokens": sum(f.prompt_tokens for f in finishes),
+             "completion_tokens": sum(f.completion_tokens for f in finishes)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return {**head, "usage": usage, "choices": choices}
 
 
-async def _completion_chunks(events, job, head: dict, include_usage: bool):
+async def _completion_chunks(events, job, head: dict, include_usage: bool, render_logprobs=None):
+    """SSE chunks; with ``render_logprobs`` each chunk carries the legacy logprobs object of the
+    tokens that arrived since the last chunk (``text_offset`` counting on across chunks)."""
     extra = {"usage": None} if include_usage else {}
+    pending: list = []
+    offset = 0
 
     def chunk(text: str, finish_reason=None) -> ServerSentEvent:
-        data = {**head, "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        nonlocal offset
+        scored = None
+        if render_logprobs is not None and (pending or finish_reason is None):
+            scored = render_logprobs(pending, offset)
+            offset += sum(len(t) for t in scored["tokens"])
+            pending.clear()
+        data = {**head, "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": scored}],
                 **extra}
         return ServerSentEvent(json.dumps(data, ensure_ascii=False), sep="\n")
 
     try:
         async for e in events:
-            if e is KEEPALIVE:
+            if isinstance(e, Logprobs):
+                pending += e.records
+            elif e is KEEPALIVE:
                 yield ServerSentEvent(comment="keep-alive", sep="\n")
             elif isinstance(e, Text):
                 yield chunk(e.text)

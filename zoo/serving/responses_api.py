@@ -21,7 +21,9 @@ response.completed, or response.incomplete (the output cut at ``max_output_token
 while silent. A stored response (``store``, the default) is kept in a bounded in-memory store (the
 last ``STORE_LIMIT``) for ``previous_response_id``: its conversation (input and output items)
 comes before the new input. ``parallel_tool_calls`` false keeps the first call only. Errors use
-OpenAI's schema.
+OpenAI's schema. ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` 0..20) fills
+the output_text part's ``logprobs`` (every generated token, reasoning included, in order; each
+``response.output_text.delta`` carries those of the tokens that arrived with it).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, collect_finished
+from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, Logprobs, collect_finished
 from zoo.serving.errors import ApiError, parse_body
 from zoo.serving.reasoning import Reasoning, Text
 from zoo.serving.responses_request import (
@@ -51,6 +53,7 @@ from zoo.serving.responses_request import (
 from zoo.serving.tool_parsers import ToolCallArgs, ToolCallEnd, ToolCallStart
 
 router = APIRouter()
+LOGPROBS = "message.output_text.logprobs"     # the ``include`` value asking for them
 STORE_LIMIT = 256          # stored responses kept for previous_response_id (the oldest go first)
 
 
@@ -98,8 +101,12 @@ class OutputBuilder:
     """Answer events -> the response's output items, and the stream events that build them."""
 
     def __init__(self, response: dict, *, summary: bool, namespaces: dict[str, str], parallel_calls: bool,
-                 count_tokens):
+                 count_tokens, render_logprobs=None):
+        """``render_logprobs``: records -> the output_text logprobs entries (None: not asked for)."""
         self.response = response
+        self.render_logprobs = render_logprobs
+        self._pending: list = []              # logprob records not yet given to a text delta
+        self._logprobs: list[dict] = []       # the open message's logprobs entries
         self.summary, self.namespaces, self.parallel_calls = summary, namespaces, parallel_calls
         self.count_tokens = count_tokens
         self._seq = 0
@@ -124,7 +131,16 @@ class OutputBuilder:
         return [self._event("response.created", response=copy.deepcopy(self.response)),
                 self._event("response.in_progress", response=copy.deepcopy(self.response))]
 
+    def _take_logprobs(self) -> list[dict]:
+        entries = self.render_logprobs(self._pending) if self.render_logprobs and self._pending else []
+        self._pending = []
+        self._logprobs += entries
+        return entries
+
     def feed(self, e) -> list[dict]:
+        if isinstance(e, Logprobs):
+            self._pending += e.records
+            return []
         kind = ("reasoning" if isinstance(e, Reasoning) else "message" if isinstance(e, Text)
                 else "function_call" if isinstance(e, ToolCallStart) else None)
         if self._skipping:
@@ -147,7 +163,7 @@ class OutputBuilder:
         elif isinstance(e, Text):
             self._text += e.text
             out.append(self._event("response.output_text.delta", **self._where(), content_index=0, delta=e.text,
-                                   logprobs=[]))
+                                   logprobs=self._take_logprobs()))
         elif isinstance(e, ToolCallArgs):
             self._text += e.delta
             out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=e.delta))
@@ -168,6 +184,8 @@ class OutputBuilder:
                 item["namespace"] = self.namespaces[e.name]
         self.response["output"].append(item)
         self._item, self._text = item, ""
+        if kind == "message":
+            self._logprobs = []
         out = [self._event("response.output_item.added", output_index=self._index, item=copy.deepcopy(item))]
         if kind == "message":
             out.append(self._event("response.content_part.added", **self._where(), content_index=0,
@@ -194,10 +212,11 @@ class OutputBuilder:
                         self._event("response.reasoning_summary_part.done", **self._where(), summary_index=0,
                                     part=part)]
         elif item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            self._take_logprobs()
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self._logprobs}
             item["content"], item["status"] = [part], status
             out += [self._event("response.output_text.done", **self._where(), content_index=0, text=text,
-                                logprobs=[]),
+                                logprobs=copy.deepcopy(self._logprobs)),
                     self._event("response.content_part.done", **self._where(), content_index=0, part=part)]
         else:
             item["arguments"], item["status"] = text, status
@@ -265,12 +284,15 @@ async def create_response(request: Request):
         prior = found[0]
     # rendering and tokenizing a long prompt takes a while: in a worker thread, not on the event loop
     prompt, namespaces = await run_in_threadpool(_render, service, body, prior)
+    logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or []) else None
     job = await service.start(prompt.ids, max_tokens=body.max_output_tokens, temperature=body.temperature,
-                              top_p=body.top_p, top_k=0, seed=None, thinking_opened=prompt.opens_reasoning)
+                              top_p=body.top_p, top_k=0, seed=None, thinking_opened=prompt.opens_reasoning,
+                              logprobs=logprobs)
     events = service.events(job, service.decoder(), prompt.parser, prompt.initial,
                             tick=None if body.stream else POLL_S)
     builder = OutputBuilder(_response_object(body, service.model_name), summary=body.summary, namespaces=namespaces,
-                            parallel_calls=body.parallel_tool_calls, count_tokens=service.tokenizer.encode)
+                            parallel_calls=body.parallel_tool_calls, count_tokens=service.tokenizer.encode,
+                            render_logprobs=service.logprob_renderer.chat if logprobs is not None else None)
 
     def keep(response: dict) -> None:
         if body.store and response["status"] != "failed":

@@ -16,7 +16,8 @@ prompt, as Codex CLI and the ``openai`` SDK send it.
     reasoning                    effort (none / minimal: thinking off; else the template's
                                  reasoning_effort), summary (the reasoning is also the summary)
     max_output_tokens, temperature, top_p, stream, store, previous_response_id, parallel_tool_calls,
-    include, prompt_cache_key, metadata, text (format "text" only)
+    include ("message.output_text.logprobs": logprobs, ``top_logprobs`` alternatives each; other
+    values are ignored), top_logprobs, prompt_cache_key, metadata, text (format "text" only)
 
 Unknown fields are ignored; a malformed known field, an unknown item type, or content this
 text-only server cannot take (images, files, audio) is a 400 naming it.
@@ -84,6 +85,7 @@ class ResponsesRequest(_Body):
     store: bool = True
     previous_response_id: str | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)    # with include "message.output_text.logprobs"
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None

@@ -2,9 +2,9 @@
 
 ``create_app(model, ...)`` builds a FastAPI app over one ``Generator``: its engine thread starts and
 stops with the app; the OpenAI (``openai_api``) and Anthropic (``anthropic_api``) surfaces are
-thin adapters over ``chat.Service``. The app also answers ``GET /health`` (no key needed) and
-``GET /metrics`` (Prometheus text). ``serve`` runs it with uvicorn; ``ServerThread`` runs it in a
-background thread (tests, notebooks).
+thin adapters over ``chat.Service``; ``tokenize_api`` adds vLLM's ``/tokenize`` and ``/detokenize``.
+The app also answers ``GET /health`` (no key needed) and ``GET /metrics`` (Prometheus text).
+``serve`` runs it with uvicorn; ``ServerThread`` runs it in a background thread (tests, notebooks).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from zoo.serving import anthropic_api, openai_api, responses_api
+from zoo.serving import anthropic_api, openai_api, responses_api, tokenize_api
 from zoo.serving.chat import Service
 from zoo.serving.engine_thread import EngineThread
 from zoo.serving.errors import ApiError
@@ -102,6 +102,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     app.include_router(openai_api.router, dependencies=auth)
     app.include_router(anthropic_api.router, dependencies=auth)
     app.include_router(responses_api.router, dependencies=auth)
+    app.include_router(tokenize_api.router, dependencies=auth)
 
     @app.get("/health")
     async def health():

@@ -60,7 +60,8 @@ def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
-              params: dict, k: int, force: jax.Array | None = None, cap: jax.Array | None = None):
+              params: dict, k: int, force: jax.Array | None = None, cap: jax.Array | None = None,
+              with_logits: bool = False):
     """One speculative decode step for every row (see module docstring).
 
     pending: ``{"h": [B, k+1, D], "tok": [B, k+1] int32, "n": [B] int32}`` rows for the MTP;
@@ -68,7 +69,9 @@ def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active:
     force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token;
     cap [B] int32 (optional): a row emits at most ``cap`` (>= 1) tokens this step (accepted drafts past
     the cap are dropped and rolled back; the last kept one is an accepted draft, so still exact).
-    Returns (cache, pending, tokens [B, k+1] int32, n_tokens [B] int32 (0 for inactive rows)).
+    Returns (cache, pending, tokens [B, k+1] int32, n_tokens [B] int32 (0 for inactive rows)), and
+    with ``with_logits`` also the target's verify logits [B, k+1, V]: position i is the model's
+    distribution for ``tokens[:, i]`` (what a plain decode step would have given for that token).
     """
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     greedy = temp <= 0
@@ -111,4 +114,6 @@ def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active:
     drafts_ext = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
     tokens = jnp.where(pos == n_acc[:, None], extra[:, None], drafts_ext).astype(jnp.int32)
     pending = {"h": h.astype(pending["h"].dtype), "tok": tokens, "n": n_acc + 1}
+    if with_logits:
+        return cache, pending, tokens, n_keep, p_logits
     return cache, pending, tokens, n_keep

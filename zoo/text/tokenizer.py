@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,28 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the printable character that stands for it."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(
+        range(ord("\xae"), ord("\xff") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _is_byte_level(tok: HFTokenizer) -> bool:
+    """The tokenizer decodes with the byte-level alphabet (GPT-2, Qwen, GLM)."""
+    return type(tok.decoder).__name__ == "ByteLevel"
 
 
 def _raise(message: str):
@@ -40,6 +63,7 @@ class Tokenizer:
         self.pad_token = _token_text(config.get("pad_token"))
         self.eos_token_ids = tuple(i for i in [self.token_to_id(self.eos_token)] if i is not None)
         self._template = None
+        self._added: set[int] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer | None":
@@ -83,6 +107,26 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (a piece of UTF-8 text, possibly not a whole
+        character): byte-level BPE pieces mapped back to bytes, ``<0xNN>`` byte-fallback pieces as
+        that byte, added tokens as their UTF-8 text; ValueError for an id outside the vocabulary."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary (size {self.vocab_size})")
+        if int(token_id) in self._added_ids():
+            return piece.encode()
+        if _is_byte_level(self._tok) and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        return self._tok.decode([int(token_id)], skip_special_tokens=False).encode()
+
+    def _added_ids(self) -> set[int]:
+        if self._added is None:
+            self._added = set(self._tok.get_added_tokens_decoder())
+        return self._added
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **kwargs) -> str:

@@ -1,0 +1,67 @@
+"""Token log-probabilities: computed on the device inside the engine's programs, carried to the
+API surfaces as ``TokenLogprob`` records.
+
+What is reported is the *model's* distribution: ``log_softmax`` in float32 of the logits the
+sampler receives, before temperature, top-k and top-p reshape them (as OpenAI reports them; a
+sampled token outside a top-k set still has its model logprob). With MTP speculation these are
+the target model's verify logits at each emitted position, the same numbers a plain decode gives.
+
+    token_logprobs(logits [B, T, V], tokens [B, T], top_n) -> {"logprob": [B, T] f32,
+                                                              "top_ids": [B, T, K] i32,
+                                                              "top_logprobs": [B, T, K] f32}
+
+``K = top_n`` is static: one compiled variant per bucket of ``TOP_BUCKETS`` (the smallest one
+holding the largest ``top_logprobs`` an active row asks for); a step with no row asking for
+log-probabilities runs the program without them. The prefill of a request asking for its prompt's
+logprobs scores every position of its chunk: it holds a [C, V] float32 log-softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_TOP = 20                  # the most alternatives a request may ask for (OpenAI's bound)
+TOP_BUCKETS = (1, 5, MAX_TOP)  # compiled top-K sizes
+
+
+def top_bucket(wanted: list[int]) -> int | None:
+    """The static K for rows asking for ``wanted`` alternatives each (None: no row asks)."""
+    if not wanted:
+        return None
+    most = max(wanted)
+    return next(b for b in TOP_BUCKETS if b >= most)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int) -> dict:
+    """Log-probabilities (float32) of ``tokens [B, T]`` under ``logits [B, T, V]`` and the ``top_n``
+    most likely tokens at each position, most likely first (see the module doc)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    top, ids = jax.lax.top_k(logp, top_n)
+    return {"logprob": chosen, "top_ids": ids.astype(jnp.int32), "top_logprobs": top}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token and its log-probability; ``top``: (token id, logprob) of the most likely tokens at
+    that position, most likely first (as many as the request asked for; none for the first prompt
+    token, which has no logprob: ``logprob`` None)."""
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def records(tokens, out: dict, n_top: int) -> list[TokenLogprob]:
+    """``TokenLogprob`` per token from one row of ``token_logprobs``' output (numpy, ``[T]`` and
+    ``[T, K]``), keeping ``n_top`` alternatives."""
+    lp, ids, top = out["logprob"], out["top_ids"], out["top_logprobs"]
+    return [TokenLogprob(int(t), float(lp[i]), tuple(zip(ids[i, :n_top].tolist(), top[i, :n_top].tolist())))
+            for i, t in enumerate(tokens)]
+
+
+def to_numpy(out: dict) -> dict:
+    return {k: np.asarray(v) for k, v in out.items()}
