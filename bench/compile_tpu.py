@@ -34,12 +34,14 @@ SEARCH = [("glm53-flash", "UD-IQ3_XXS", 32768), ("glm53-flash", "UD-IQ3_XXS", 13
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the first case")
+    ap.add_argument("--only", default="", help="only the cases of this model (e.g. qwen38-27b)")
     ap.add_argument("--search", action="store_true", help="also the largest batch at 32k and 128k (GLM, ~8 compiles)")
     ap.add_argument("--json", help="write every report here")
     ap.add_argument("--hlo-dir", help="write each compiled program's HLO here (bench/hlo_traffic.py reads it)")
     args = ap.parse_args()
     reports = []
-    for model, quant, batch, context, k, chunk in CASES[:1] if args.quick else CASES:
+    cases = [c for c in CASES if not args.only or c[0] == args.only]
+    for model, quant, batch, context, k, chunk in cases[:1] if args.quick else cases:
         report = compile_report(model, quant=quant, target="v5e-8", batch=batch, context=context, spec_tokens=k,
                                 prefill_chunk=chunk, min_margin=MARGIN,
                                 hlo_dir=args.hlo_dir and f"{args.hlo_dir}/{model}-{quant}")
@@ -52,7 +54,7 @@ def main() -> None:
                   f"{compiler / GiB:.3f} GiB: ratio {compiler / planner:.4f}")
         print(f"all programs fit with {MARGIN / GiB:.1f} GiB to spare: {report['ok']}\n", flush=True)
         reports.append(report)
-    if args.search:
+    if args.search and (not args.only or args.only == SEARCH[0][0]):
         for model, quant, context in SEARCH:
             found = largest_batch(model, quant=quant, context=context, spec_tokens=3, min_margin=MARGIN)
             above = "-" if found["next_margin"] is None else f"{found['next_margin'] / GiB:.2f}"

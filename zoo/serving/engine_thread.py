@@ -157,9 +157,9 @@ class EngineThread:
             self.error = f"the engine failed: {type(e).__name__}: {e}"
             with self._lock:
                 jobs = list(self._jobs)
-            for job in jobs:
+            for job in jobs:                # each waiting or streaming request ends now, with the error
                 job.error = self.error
-                job._post(None)
+                job._call(job._arrive, None)
 
     @property
     def alive(self) -> bool:
