@@ -89,11 +89,13 @@ def target_devices(target: Target) -> list:
 
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ["TPU_ACCELERATOR_TYPE"] = target.accelerator_type
+    if jax.default_backend() == "cpu":      # no TPU is driven here: other compiling processes may load libtpu too
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return list(topologies.get_topology_desc(platform=target.platform, topology_name=target.topology).devices)
     except Exception as e:         # no libtpu, a jax build without the ahead-of-time path, or a busy libtpu
         raise RuntimeError(f"cannot open the {target.name} topology for ahead-of-time compilation ({e}); it needs "
-                           f"libtpu (the dev or tpu extra), held by one process at a time") from None
+                           f"libtpu (the dev or tpu extra)") from None
 
 
 def target_mesh(target: Target, layout: str = "tp") -> Mesh:
