@@ -26,7 +26,7 @@ NAMES: tuple[tuple[str, str, str | None], ...] = (
     (r"(layers\.\d+)\.(attn|ffn)_hc\.(fn|base|scale)", r"model.\1.hc_\2_\3", None),
     (r"(layers\.\d+)\.self_attn\.(q|k|v)_conv", r"model.\1.self_attn.\2_conv1d.weight", "conv"),
     (r"(layers\.\d+)\.linear_attn\.conv_weight", r"model.\1.linear_attn.conv1d.weight", "conv"),
-    (r"(.*)\.self_attn\.kv_b", r"model.\1.self_attn.kv_b_proj.weight", "T"),
+    (r"(.*)\.self_attn\.kv_b", r"model.\1.self_attn.kv_b_proj.weight", None),
     (r"(.*)\.indexer\.compress_gate\.kernel", r"model.\1.indexer.index_kpool_compress_gate", "T"),
     (r"(.*)\.indexer\.compress_ape", r"model.\1.indexer.index_kpool_compress_ape", None),
     (r"(.*)\.mlp\.router\.weight", r"model.\1.mlp.gate.weight", "T"),
