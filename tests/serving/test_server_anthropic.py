@@ -13,7 +13,7 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
-from tests.support.serving_helpers import GLM_TEMPLATE, say, scripted_model
+from tests.support.serving_helpers import GLM_TEMPLATE, say, scripted_model, sse_events
 from zoo.serving.server import ServerThread, create_app
 
 KEY = "anthropic-test-key"
@@ -57,16 +57,7 @@ def user(script_or_text) -> dict:
 
 def raw_events(server, body: dict) -> list[tuple[str, dict]]:
     """A streaming request read off the wire: [(event name, data)]."""
-    events, name = [], None
-    with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True}, timeout=60,
-                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line[6:])))
-    return events
+    return sse_events(server.url + "/v1/messages", body, {"x-api-key": KEY, "anthropic-version": "2023-06-01"})
 
 
 def blocks(message) -> list[tuple]:

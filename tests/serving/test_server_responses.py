@@ -10,7 +10,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.support.serving_helpers import QWEN_TEMPLATE, say, scripted_model
+from tests.support.serving_helpers import QWEN_TEMPLATE, say, scripted_model, sse_events
 from zoo.serving.server import ServerThread, create_app
 
 KEY = "responses-key"
@@ -49,16 +49,7 @@ def client(server) -> openai.OpenAI:
 
 def wire_events(server, body: dict) -> list[tuple[str, dict]]:
     """A streaming request read off the wire: [(SSE event name, data)]."""
-    events, name = [], None
-    with httpx.stream("POST", server.url + "/v1/responses", json={**body, "stream": True}, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line[6:])))
-    return events
+    return sse_events(server.url + "/v1/responses", body, {"Authorization": f"Bearer {KEY}"})
 
 
 def items(response) -> list[tuple]:

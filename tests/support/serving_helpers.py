@@ -162,3 +162,18 @@ def scripted_model(root: Path, template: str, scripts: list[str], context: int |
     module = ScriptedLM(base.module, [tok.encode(s) for s in scripts], mark=tok.token_to_id(MARK),
                         first_letter=tok.encode("A")[0], eos=tok.eos_token_ids[0])
     return Model(module, base.config, tok, base.load_info)
+
+
+def sse_events(url: str, body: dict, headers: dict) -> list[tuple[str | None, dict]]:
+    """A streaming POST read off the wire: ``[(SSE event name, data)]`` (asserts a 200)."""
+    import httpx2 as httpx
+
+    events, name = [], None
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+    return events

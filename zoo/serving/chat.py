@@ -134,6 +134,32 @@ def coalesce(events: list) -> list:
     return out
 
 
+TEXT_PARTS = ("text", "input_text", "output_text", "summary_text", "reasoning_text")
+
+
+def content_text(content, where: str) -> str:
+    """Message (or tool output) content, a string or a list of text parts (OpenAI chat ``text``,
+    Responses ``input_text`` / ``output_text`` / summaries, ``refusal``), as text; any other part is
+    a 400 naming it (this server takes text only)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or a list of content parts", param=where)
+    out = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in TEXT_PARTS:
+            out.append(str(part.get("text", "")))
+        elif kind == "refusal":
+            out.append(str(part.get("refusal", "")))
+        elif kind in ("input_image", "input_file", "input_audio", "image_url", "file"):
+            raise ApiError(400, f"{where}[{k}]: {kind} parts are not supported (this server takes text only)",
+                           param=where)
+        else:
+            raise ApiError(400, f"{where}[{k}]: unknown content part type {kind!r}", param=where)
+    return "".join(out)
+
+
 def fold_system_messages(messages: list[dict]) -> list[dict]:
     """``messages`` (template form) with their system text where every chat template takes it: the
     system messages before any other become one leading system message; a later one (agent clients

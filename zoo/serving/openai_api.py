@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, Logprobs, OutputParser, collect_finished
+from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, Logprobs, OutputParser, collect_finished, content_text
 from zoo.serving.errors import ApiError, parse_body
 from zoo.serving.logprobs import MAX_TOP
 from zoo.serving.reasoning import Reasoning, Text
@@ -102,21 +102,6 @@ def _stops(stop) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def _text_content(content, where: str) -> str:
-    """Message content (a string or a list of text parts) as text."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where}: expected a string or a list of content parts", param=where)
-    out = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ApiError(400, f"{where}: content part {kind!r} is not supported (text only)", param=where)
-        out.append(str(part.get("text", "")))
-    return "".join(out)
-
-
 def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages -> the chat templates' form (tool-call arguments as dicts)."""
     out = []
@@ -125,7 +110,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise ApiError(400, f"messages[{i}].role: unknown role {role!r}", param=f"messages[{i}].role")
         msg = {"role": "system" if role == "developer" else role,
-               "content": _text_content(m.get("content"), f"messages[{i}].content")}
+               "content": content_text(m.get("content"), f"messages[{i}].content")}
         if role == "assistant":
             if m.get("reasoning_content"):
                 msg["reasoning_content"] = str(m["reasoning_content"])

@@ -30,6 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from zoo.serving.chat import content_text as _text
 from zoo.serving.chat import fold_system_messages
 from zoo.serving.errors import ApiError, validation_error
 
@@ -157,27 +158,6 @@ def tool_choice(body: ResponsesRequest, tools: list[dict]) -> tuple[str, str | N
     if choice == "required" and not names:
         raise ApiError(400, "tool_choice 'required' needs function tools", param="tool_choice")
     return choice, None
-
-
-def _text(content, where: str) -> str:
-    """Message or tool-output content (a string or a list of text parts) as text."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where}: expected a string or a list of content parts", param=where)
-    out = []
-    for k, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            out.append(str(part.get("text", "")))
-        elif kind == "refusal":
-            out.append(str(part.get("refusal", "")))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise ApiError(400, f"{where}[{k}]: {kind} parts are not supported (this server takes text only)",
-                           param=where)
-        else:
-            raise ApiError(400, f"{where}[{k}]: unknown content part type {kind!r}", param=where)
-    return "".join(out)
 
 
 def _arguments(raw, where: str) -> dict:
