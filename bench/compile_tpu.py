@@ -4,8 +4,9 @@ state, temporaries, the compiler's peak against its usable HBM and the margin, t
 chosen from the memory left, and the roofline (bytes a step must read over HBM bandwidth, the Pallas
 kernels' grid steps and estimated time, XLA's cost-model estimate and bytes accessed). The baseline
 check is the planner's per-chip weight bytes beside the compiler's (ratio 1.000 when the planner is
-right). Each GLM-5.3-Flash compile takes ~1-2 minutes and ~3 GB of RAM; one compiling process at a
-time. From the repo root:
+right). Each GLM-5.3-Flash compile takes ~1-2 minutes and ~3 GB of RAM (several compiling processes
+may run at once on a machine without a TPU: ``zoo.serving.aot`` sets ALLOW_MULTIPLE_LIBTPU_LOAD). From
+the repo root:
 
     JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python bench/compile_tpu.py [--quick] [--search] \
         [--json OUT] [--hlo-dir DIR]
