@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import re
 
-import jax
 from flax import nnx
 
 from zoo.kernels.census import KernelCall
@@ -34,10 +33,6 @@ from zoo.loader.abstract import shard_bytes_of
 
 STEP_OVERHEAD_S = 0.35e-6            # per Pallas grid step on TPU (the Pallas TPU pipelining guide's figure)
 HBM_BANDWIDTH = {"v5e": 819e9, "v6e": 1640e9, "v5p": 2765e9}     # bytes/s per chip, vendor figures
-
-
-def _path(keys) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
 
 
 def must_read(module, cfg, *, rows: int, mtp_calls: int = 0, mtp_rows: int = 0) -> dict:
@@ -48,14 +43,14 @@ def must_read(module, cfg, *, rows: int, mtp_calls: int = 0, mtp_rows: int = 0) 
     share = lambda n: min(n_experts, n * top_k) / n_experts            # noqa: E731
     vocab = cfg.vocab_size
     out = {"weights": 0, "experts": 0, "embedding": 0, "mtp": 0}
-    for keys, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(module))[0]:
-        path, size = _path(keys), shard_bytes_of(leaf)
-        mtp = path.startswith("mtp/")
-        if re.search(r"(^|/)experts/", path):
+    for keys, var in nnx.to_flat_state(nnx.state(module)):    # parameter paths as the loader names them
+        path, size = ".".join(map(str, keys)), shard_bytes_of(var.get_value())
+        mtp = path.startswith("mtp.")
+        if re.search(r"(^|\.)experts\.", path):
             n = mtp_rows if mtp else rows
             size = size * share(n) * (mtp_calls if mtp else 1)
             out["mtp" if mtp else "experts"] += size
-        elif path.startswith("embed_tokens/"):
+        elif path.startswith("embed_tokens."):
             out["embedding"] += size * min(1.0, (rows + mtp_calls * mtp_rows) / vocab)
         elif mtp:
             out["mtp"] += size * mtp_calls
