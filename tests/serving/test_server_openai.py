@@ -201,7 +201,7 @@ def test_errors(server):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": []})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     c = client(server)
-    cases = [dict(messages=[]), dict(messages=[user("hi")], temperature=5), dict(messages=[user("hi")], n=2),
+    cases = [dict(messages=[]), dict(messages=[user("hi")], temperature=5), dict(messages=[user("hi")], n=0),
              dict(messages=[{"role": "robot", "content": "hi"}]),
              dict(messages=[user("hi")], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
              dict(messages=[user("hi")], max_tokens=0)]

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from zoo.serving.chat import ChatPrompt, fold_system_messages
 from zoo.serving.errors import ApiError, validation_error
+from zoo.serving.structured import response_format_grammar
 
 
 class _Body(BaseModel):
@@ -285,9 +286,10 @@ def render_prompt(service, body: CountRequest) -> ChatPrompt:
         if choice == "function":
             tools = template_tools(body, referenced + [name])        # a forced deferred tool is loaded
     thinking = None if body.thinking is None else body.thinking.type != "disabled"
+    output = None
     if body.output_config is not None and body.output_config.format is not None:
-        raise ApiError(400, "output_config.format: structured outputs are not supported")
+        output = response_format_grammar(body.output_config.format, "output_config.format")
     effort = reasoning_effort(body)
     return service.chat_prompt(messages, tools=tools or None, tool_choice=choice, tool_name=name,
                                thinking=thinking, template_kwargs={"reasoning_effort": effort} if effort else {},
-                               prefill=prefill)
+                               prefill=prefill, output=output)

@@ -14,20 +14,24 @@ tokens to answer events.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import jinja2
+from starlette.concurrency import run_in_threadpool
 
+from zoo.serving.constraint import OutputGrammar
 from zoo.serving.engine_thread import TICK, EngineThread, Job
 from zoo.serving.errors import ApiError
 from zoo.serving.logprob_render import LogprobRenderer
 from zoo.serving.logprobs import TokenLogprob
-from zoo.serving.reasoning import CLOSE, Reasoning, ReasoningParser, Text, partial_suffix, prompt_opens_reasoning
-from zoo.serving.tool_parsers import PARSERS, ToolCallArgs, ToolCallStart, ToolParser, call_prefix
+from zoo.serving.reasoning import CLOSE, OPEN, Reasoning, ReasoningParser, Text, partial_suffix, prompt_opens_reasoning
+from zoo.serving.structured import marker_tokens, strict_tools, tool_output
+from zoo.serving.tool_parsers import CALL_OPEN, PARSERS, ToolCallArgs, ToolCallStart, ToolParser, call_prefix
 
 # special tokens that are text to the parsers; every other special token is hidden from the output
 KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))
@@ -182,11 +186,18 @@ def fold_system_messages(messages: list[dict]) -> list[dict]:
 
 @dataclass
 class ChatPrompt:
-    """A rendered chat request: prompt ids, the parser for its output, events of a forced prefix."""
+    """A rendered chat request: prompt ids, the parser for its output, events of a forced prefix,
+    the grammar its output follows (None: free)."""
     ids: list[int]
     parser: OutputParser
     initial: list
     opens_reasoning: bool = False      # the prompt ends inside a reasoning block (no close added)
+    grammar: OutputGrammar | None = None
+    new_parser: Callable[[], tuple[OutputParser, list]] | None = None   # (parser, initial) for another choice
+
+    def parsers(self, n: int) -> list[tuple[OutputParser, list]]:
+        """(parser, initial events) for each of ``n`` choices."""
+        return [(self.parser, self.initial)] + [self.new_parser() for _ in range(n - 1)]
 
 
 @dataclass
@@ -204,6 +215,7 @@ class Service:
     def __post_init__(self):
         self._hidden = frozenset(i for i, t in self.tokenizer.special_tokens().items() if t not in KEEP)
         self.logprob_renderer = LogprobRenderer(self.tokenizer)
+        self._markers = marker_tokens(self.tokenizer, KEEP)     # written as tokens in tool-call grammars
 
     def check_token_ids(self, ids: list[int], where: str) -> None:
         """400 naming the first id of ``ids`` outside the tokenizer's vocabulary."""
@@ -220,14 +232,20 @@ class Service:
     # -- prompts ----------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice: str = "auto",
                     tool_name: str | None = None, thinking: bool | None = None,
-                    template_kwargs: dict | None = None, prefill: str = "") -> ChatPrompt:
+                    template_kwargs: dict | None = None, prefill: str = "", output: str | None = None,
+                    parallel_calls: bool = True) -> ChatPrompt:
         """Render ``messages`` (HF form) with the chat template.
 
         tool_choice: "auto", "none" (tools left out of the prompt, no parsing), "required" or
         "function" (``tool_name``): the assistant turn is started with a tool-call opening, so the
         model must call (that) tool; an open reasoning block is closed first. ``thinking`` is the
         templates' ``enable_thinking``. ``prefill``: assistant text the answer continues (not
-        repeated in the output).
+        repeated in the output). ``output``: the grammar of the answer (``zoo.serving.structured``);
+        ``parallel_calls`` False: a forced call is the only one (the grammar ends after it).
+
+        The output grammar: a forced call follows the tools' grammar; else ``output`` if given, else,
+        when every tool is ``strict``, each call the model opens. It applies after the reasoning
+        block closes, when the prompt opens one.
         """
         use_tools = bool(tools) and tool_choice != "none"
         kwargs = dict(template_kwargs or {})
@@ -246,23 +264,52 @@ class Service:
                                     "has none (start the server with a tool format)", param="tool_choice")
             forced = call_prefix(self.tool_format, tool_name)
         close = "\n" + CLOSE + "\n\n" if in_reasoning and (forced or prefill) else ""
-        tools_parser = PARSERS[self.tool_format](tools) if use_tools and self.tool_format else None
-        parser = OutputParser(reasoning=True, in_reasoning=in_reasoning, tools=tools_parser)
-        parser.feed(close + prefill)                 # already in the prompt, not part of the answer
-        initial = parser.feed(forced)
+
+        def new_parser() -> tuple[OutputParser, list]:
+            tools_parser = PARSERS[self.tool_format](tools) if use_tools and self.tool_format else None
+            parser = OutputParser(reasoning=True, in_reasoning=in_reasoning, tools=tools_parser)
+            parser.feed(close + prefill)                 # already in the prompt, not part of the answer
+            return parser, parser.feed(forced)
+
+        opens = in_reasoning and not close
+        close_ids = tuple(self.tokenizer.encode(CLOSE))
+        wait = (close_ids,) if opens else ()
+        # a template that knows reasoning but left it neither open nor closed: the model may open it
+        may_open = (not opens and not close and thinking is not False and OPEN in (self.tokenizer.chat_template or "")
+                    and not text.rstrip().endswith(CLOSE) and OPEN in self._markers)
+        reasoning = (self._markers[OPEN], close_ids) if may_open else None
+        grammar = None
+        if forced:
+            named = [t for t in tools if t.get("function", t).get("name") == tool_name] if tool_name else tools
+            grammar = OutputGrammar(tool_output(self.tool_format, named, prefix=forced, repeat=parallel_calls,
+                                                tokens=self._markers))
+        elif output is not None:
+            grammar = OutputGrammar(output, wait=wait, reasoning=reasoning)
+        elif use_tools and self.tool_format and strict_tools(tools):
+            opening = tool_output(self.tool_format, tools, prefix=CALL_OPEN, repeat=False, tokens=self._markers)
+            trigger = tuple(self.tokenizer.encode(CALL_OPEN))
+            grammar = OutputGrammar(opening, wait=wait + (trigger,), rearm=trigger)
+        parser, initial = new_parser()
         return ChatPrompt(self.tokenizer.encode(text + close + prefill + forced), parser, initial,
-                          opens_reasoning=in_reasoning and not close)
+                          opens_reasoning=opens, grammar=grammar, new_parser=new_parser)
 
     # -- generation -------------------------------------------------------------------------------
-    async def start(self, ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
-                    top_k: int, seed: int | None, thinking_budget: int | None = None,
-                    thinking_opened: bool = False, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> Job:
+    async def start(self, ids: list[int], **kwargs) -> Job:
+        """``start_choices`` for one choice."""
+        return (await self.start_choices(ids, **kwargs))[0]
+
+    async def start_choices(self, ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
+                            top_k: int, seed: int | None, thinking_budget: int | None = None,
+                            thinking_opened: bool = False, logprobs: int | None = None,
+                            prompt_logprobs: int | None = None, n: int = 1,
+                            grammar: OutputGrammar | None = None) -> list[Job]:
         """Submit a request and wait until it is admitted (429 / 503 from the queue; 400 if the
         engine can never fit it). ``thinking_budget``: reasoning tokens after which ``</think>`` is
         forced (``thinking_opened``: the prompt ends inside ``<think>``). ``logprobs`` /
         ``prompt_logprobs``: alternatives per generated / prompt token (None: no logprobs);
-        ``max_tokens`` 0 (prompt logprobs only) needs ``prompt_logprobs``."""
+        ``max_tokens`` 0 (prompt logprobs only) needs ``prompt_logprobs``. ``n``: choices, the prompt
+        prefilled once (a job each); ``grammar``: the output's (a matcher per choice, compiled here
+        in a worker thread)."""
         if len(ids) >= self.context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
@@ -270,18 +317,30 @@ class Service:
         max_new = min(self.default_max_tokens if max_tokens is None else max_tokens, budget)
         if thinking_budget is None:
             thinking_budget = self.thinking_budget
-        job = self.engine.submit(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k,
-                                 seed=random.getrandbits(31) if seed is None else seed,
-                                 thinking_budget=thinking_budget, thinking_opened=thinking_opened,
-                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        constraints = None
+        if grammar is not None:
+            make = self.engine.generator.constraint
+            try:
+                constraints = await run_in_threadpool(lambda: [make(grammar) for _ in range(n)])
+            except ValueError as e:
+                raise ApiError(400, f"the output grammar does not compile: {e}") from None
+        jobs = self.engine.submit_choices(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                                          top_k=top_k, seed=random.getrandbits(31) if seed is None else seed,
+                                          thinking_budget=thinking_budget, thinking_opened=thinking_opened,
+                                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
+                                          constraints=constraints)
         try:
-            await job.admitted()
+            await asyncio.gather(*(job.admitted() for job in jobs))
         except BaseException:
-            job.cancel()
+            for job in jobs:
+                job.cancel()
             raise
-        if not job.admitted_to_row and job.req.finish_reason == "error":
-            raise ApiError(400, f"the request cannot be served: {job.req.stats.get('error', 'engine error')}")
-        return job
+        for job in jobs:
+            if not job.admitted_to_row and job.req.finish_reason == "error":
+                for other in jobs:
+                    other.cancel()
+                raise ApiError(400, f"the request cannot be served: {job.req.stats.get('error', 'engine error')}")
+        return jobs
 
     async def events(self, job: Job, decoder: TextDecoder, parser: OutputParser, initial: list = (),
                      tick: float | None = None) -> AsyncIterator:
@@ -362,3 +421,48 @@ async def collect(events: AsyncIterator, request) -> tuple[list, Finish | None]:
         else:
             out.append(e)
     return out, None
+
+
+_END = object()
+
+
+async def merge_events(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index, event) from several event streams as they come (one per choice); keep-alives of
+    several streams at once are passed on once. Leaving early closes every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for e in stream:
+                await queue.put((i, e))
+        finally:
+            await queue.put((i, _END))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left, quiet = len(streams), False
+        while left:
+            i, e = await queue.get()
+            if e is _END:
+                left -= 1
+            elif e is KEEPALIVE:
+                if not quiet:
+                    yield i, e
+                quiet = True
+            else:
+                quiet = False
+                yield i, e
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)   # each stream's own cleanup runs
+
+
+async def collect_choices(streams: list[AsyncIterator], request, jobs: list) -> list[tuple[list, Finish]] | None:
+    """``collect_finished`` for each choice, concurrently; None if the client went away."""
+    results = await asyncio.gather(*(collect_finished(s, request, j) for s, j in zip(streams, jobs)))
+    if any(r is None for r in results):
+        for job in jobs:
+            job.cancel()
+        return None
+    return list(results)

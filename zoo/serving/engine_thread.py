@@ -165,27 +165,37 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-               seed: int, thinking_budget: int | None = None, thinking_opened: bool = False,
-               logprobs: int | None = None, prompt_logprobs: int | None = None) -> Job:
+    def submit(self, prompt: list[int], **kwargs) -> Job:
         """Queue a request (call from the event loop); 429 when the queue is full, 503 if the engine died."""
+        return self.submit_choices(prompt, **kwargs)[0]
+
+    def submit_choices(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
+                       top_k: int, seed: int, thinking_budget: int | None = None, thinking_opened: bool = False,
+                       logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
+                       constraints=None) -> list[Job]:
+        """``submit`` with ``n`` choices of one prompt (prefilled once; ``Generator.make_request``),
+        a job each; ``constraints``: a ``Constraint`` per choice."""
         if not self.alive:
             raise ApiError(503, self.error or "the engine is not running", code="engine_down")
         if self._waiting >= self.max_queue:
             raise ApiError(429, f"too many requests waiting ({self._waiting}); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
-        job = Job(self, asyncio.get_running_loop())
-        job.req = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                              top_p=top_p, top_k=top_k, seed=seed, on_tokens=job.on_tokens,
-                                              on_finish=job.on_finish, on_admit=job.on_admit,
-                                              thinking_budget=thinking_budget, thinking_opened=thinking_opened,
-                                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        first = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            top_p=top_p, top_k=top_k, seed=seed, thinking_budget=thinking_budget,
+                                            thinking_opened=thinking_opened, logprobs=logprobs,
+                                            prompt_logprobs=prompt_logprobs, n=n, constraints=constraints)
+        jobs = []
+        for req in [first] + first.forks:
+            job = Job(self, asyncio.get_running_loop())
+            job.req = req
+            req.on_tokens, req.on_finish, req.on_admit = job.on_tokens, job.on_finish, job.on_admit
+            jobs.append(job)
         with self._lock:
-            self._jobs.add(job)
-        self._waiting += 1
+            self._jobs.update(jobs)
+        self._waiting += len(jobs)
         self.metrics.queue_depth.set(self._waiting)
-        self.generator.submit(job.req)
-        return job
+        self.generator.submit(first)
+        return jobs
 
     def _on_admitted(self, job: Job) -> None:
         self._waiting -= 1

@@ -23,6 +23,17 @@ asks run without). ``prompt_logprobs`` N: the prefill also yields the prompt tok
 (``Request.prompt_token_logprobs``, the first one None); with ``max_new_tokens == 0`` the request
 ends after its prefill (an echo of the prompt's logprobs, as lm-evaluation-harness asks for).
 
+Structured outputs (``zoo.serving.constraint``): a request with a ``Constraint`` gets a token
+bitmask per step, filled on the host by llguidance while the device runs the forward, and applied
+to the logits on the device before sampling (``zoo.serving.masked_step``: the step split around the
+masks; steps with no constrained row run the fused program). Under MTP the host reads the drafts,
+checks them against the matcher (tentatively consumed, then rolled back) and masks every verify
+position. A request whose grammar completes finishes with "stop".
+
+Several choices (``n``): ``make_request(n=...)`` returns the first choice with the others in
+``forks``; the prompt is prefilled once, its cache row copied into one row per choice, each choice
+sampling with its own seed stream from its first token on.
+
 Forced tokens: a request may have ids queued in ``Request.forcing`` (a thinking budget closing the
 reasoning, ``zoo.serving.thinking``); each step then emits the next of them for that row instead of
 sampling (speculative rows reject their drafts that step), and the model continues from it.
@@ -39,14 +50,19 @@ from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import llguidance
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from zoo.serving import speculative
+from zoo.serving.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
 from zoo.serving.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token_logprobs, top_bucket
-from zoo.serving.sampling import sample
+from zoo.serving.masked_step import MaskedPrograms
+from zoo.serving.sampling import row_keys, sample
 from zoo.serving.thinking import ThinkingBudget
+from zoo.serving.token_mask import apply_token_mask
 from zoo.sharding.cache_axes import cache_shardings, shard_cache
 from zoo.sharding.mesh import on_mesh
 
@@ -91,6 +107,9 @@ class Request:
     prompt_logprobs: int | None = None     # alternatives per prompt token (None: no prompt logprobs)
     token_logprobs: list[TokenLogprob] = field(default_factory=list)    # aligned with ``tokens``
     prompt_token_logprobs: list[TokenLogprob] | None = None             # set by the prefill
+    constraint: Constraint | None = None   # the output grammar (None: unconstrained)
+    forks: list["Request"] = field(default_factory=list)   # the other choices of the same prompt (n > 1)
+    choice: int = 0                        # this request's index among its prompt's choices
 
     def result(self) -> Generation:
         return Generation(list(self.tokens), self.finish_reason or "length", dict(self.stats),
@@ -120,15 +139,17 @@ def _embed(old, new):
     return jax.tree.map(lambda o, n: n.at[tuple(slice(0, d) for d in o.shape)].set(o.astype(n.dtype)), old, new)
 
 
-def _row_keys(params: dict) -> jax.Array:
-    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params["seed"], params["step"])
+def fork_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` of a request with ``seed`` (choice 0 keeps it)."""
+    return (seed + choice * 0x9E3779B1) & 0xFFFFFFFF
 
 
-def _first_token(logits: jax.Array, params: dict, top_n: int | None = None):
-    """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0); with ``top_n``,
-    also its ``token_logprobs`` ([B, 1] leaves)."""
-    keys = _row_keys({**params, "step": jnp.zeros_like(params["step"])})
-    tok = sample(logits, keys, params["temperature"], params["top_k"], params["top_p"])
+def _first_token(logits: jax.Array, params: dict, top_n: int | None = None, mask: jax.Array | None = None):
+    """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0), masked by ``mask``
+    [B, W] if given; with ``top_n``, also its ``token_logprobs`` ([B, 1] leaves, unmasked logits)."""
+    keys = row_keys({**params, "step": jnp.zeros_like(params["step"])})
+    masked = logits if mask is None else apply_token_mask(logits, mask)
+    tok = sample(masked, keys, params["temperature"], params["top_k"], params["top_p"])
     if top_n is None:
         return tok
     return tok, token_logprobs(logits[:, None], tok[:, None], top_n)
@@ -172,6 +193,11 @@ class Generator:
         self._first_fn = jax.jit(_first_token, static_argnames=("top_n",))
         for name in ("_step_fn", "_prefill_fn", "_insert_fn", "_empty_fn", "_grow_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
+        self._masked = MaskedPrograms(self._graphdef, self.k, getattr(model, "mesh", None))
+        self.vocab = int(model.config.vocab_size)           # the logits' width
+        self._mask_words = mask_words(self.vocab)
+        self._executor = None                               # llguidance's thread pool, made on first use
+        self.prefills = 0                                   # prompts prefilled (a request's choices share one)
 
     # -- device programs ----------------------------------------------------------------------
     def _empty_impl(self, rows: int, length: int) -> dict:
@@ -206,7 +232,7 @@ class Generator:
         from the target model's logits (the verify logits when speculating)."""
         model = nnx.merge(self._graphdef, state)
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
-        keys = _row_keys(params)
+        keys = row_keys(params)
         if self.k:
             out = speculative.spec_step(model, cache, carry, active, keys, params, self.k, force, cap,
                                         with_logits=top_n is not None)
@@ -280,29 +306,43 @@ class Generator:
         return padded + req.max_new_tokens + self.k + 1
 
     def _try_admit(self, req: Request) -> bool:
-        free = [i for i, r in enumerate(self._rows) if r is None]
-        rows = self._B if free else min(max(MIN_ROWS, 2 * self._B), self.max_batch)
+        """Give ``req`` (and its forks) rows, growing the batch if needed and allowed, and prefill it;
+        False if it must wait for rows to free."""
+        group = [req] + req.forks
+        if len(group) > self.max_batch:
+            raise MemoryError(f"{len(group)} choices need {len(group)} batch rows; the engine has at most "
+                              f"{self.max_batch}")
+        free = sum(r is None for r in self._rows)
+        rows = self._B
+        while free + rows - self._B < len(group) and rows < self.max_batch:
+            rows = min(max(MIN_ROWS, 2 * rows), self.max_batch)
         length = max(self._L, _round_up(self._need(req), CACHE_BUCKET))
-        if not free and rows == self._B:
+        if free + rows - self._B < len(group):
             return False
         if self.cache_bytes(rows, length) > self.memory_budget:
             if any(self._rows):
                 return False
-            raise MemoryError(f"request needs {self.cache_bytes(1, length)} bytes of cache for "
+            raise MemoryError(f"request needs {self.cache_bytes(len(group), length)} bytes of cache for "
                               f"{length} slots; the budget is {self.memory_budget}")
         if (rows, length) != (self._B, self._L):
             empty = self._empty_fn(rows, length)
             self._batch = empty if self._batch is None else self._grow_fn(self._batch, empty)
             self._rows += [None] * (rows - self._B)
             self._B, self._L = rows, length
-        r = self._rows.index(None)
-        self._rows[r] = req
-        if req.on_admit is not None:
-            req.on_admit(req)
-        self._prefill_into(req, r)
+        at = []
+        for member in group:
+            at.append(self._rows.index(None))
+            self._rows[at[-1]] = member
+            if member.on_admit is not None:
+                member.on_admit(member)
+        self._prefill_into(group, at)
         return True
 
-    def _prefill_into(self, req: Request, r: int) -> None:
+    def _prefill_into(self, group: list[Request], at: list[int]) -> None:
+        """Prefill the shared prompt of ``group`` once; each member samples its first token and gets
+        a copy of the row at its index in ``at``."""
+        req = group[0]
+        self.prefills += 1
         t0 = time.perf_counter()
         n = len(req.prompt)
         chunk = self.prefill_chunk
@@ -322,19 +362,32 @@ class Generator:
             logits, h_last, cache = out[:3]
             if prompt_top is not None:
                 scored.append(to_numpy(out[3]))
+        prompt_lps = None
         if prompt_top is not None:
-            at = {key: np.concatenate([s[key][0] for s in scored])[total - n:total - 1] for key in scored[0]}
-            req.prompt_token_logprobs = [TokenLogprob(req.prompt[0], None)] + records(
-                req.prompt[1:], at, req.prompt_logprobs)
-        req.stats.update(prompt_tokens=n, drafted=0, accepted=0, accepted_by_position=[0] * self.k, steps=0)
-        if req.max_new_tokens == 0:                   # prompt logprobs only: no row kept
-            req.stats["time_to_first_token"] = time.perf_counter() - t0
-            return self._finish(req, "length")
+            at_pos = {key: np.concatenate([s[key][0] for s in scored])[total - n:total - 1] for key in scored[0]}
+            prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, req.prompt_logprobs)
+        for member, r in zip(group, at):
+            member.prompt_token_logprobs = prompt_lps
+            member.stats.update(prompt_tokens=n, drafted=0, accepted=0, accepted_by_position=[0] * self.k, steps=0)
+            if member.max_new_tokens == 0:            # prompt logprobs only: no row kept
+                member.stats["time_to_first_token"] = time.perf_counter() - t0
+                self._finish(member, "length")
+                continue
+            self._start_row(member, r, logits, h_last, cache)
+            member.stats["time_to_first_token"] = time.perf_counter() - t0
+
+    def _start_row(self, req: Request, r: int, logits, h_last, cache) -> None:
+        """Sample ``req``'s first token from the prefill's last ``logits`` (masked by its grammar) and
+        put the prefilled ``cache`` with its carry and parameters into row ``r``."""
         params = {"temperature": jnp.float32([req.temperature]), "top_k": jnp.int32([req.top_k]),
                   "top_p": jnp.float32([req.top_p]), "seed": jnp.uint32([req.seed & 0xFFFFFFFF]),
                   "step": jnp.int32([1])}
+        mask = None
+        if req.constraint is not None:
+            mask = np.full((1, self._mask_words), -1, np.int32)
+            req.constraint.fill(mask)
         first_top = top_bucket([] if req.logprobs is None else [req.logprobs])
-        first = self._first_fn(logits, params, top_n=first_top)
+        first = self._first_fn(logits, params, top_n=first_top, mask=mask)
         first_lp = None
         if first_top is not None:
             first, out = first
@@ -346,7 +399,6 @@ class Generator:
         else:
             carry = {"tok": first}
         self._batch = self._insert_fn(self._batch, {"cache": cache, "carry": carry, "params": params}, r)
-        req.stats["time_to_first_token"] = time.perf_counter() - t0
         self._deliver(req, [int(first[0])], first_lp)
 
     # -- stepping -----------------------------------------------------------------------------
@@ -389,16 +441,20 @@ class Generator:
         while self._waiting:
             with self._lock:
                 req = self._waiting[0]
-            if req.cancelled:
-                self._finish(self._waiting.popleft(), "cancelled")
+            if all(m.cancelled for m in [req] + req.forks):
+                with self._lock:
+                    self._waiting.popleft()
+                for m in [req] + req.forks:
+                    self._finish(m, "cancelled")
                 continue
             try:
                 admitted = self._try_admit(req)
             except MemoryError as e:               # can never fit: fail this request, not the engine
-                req.stats["error"] = str(e)
                 with self._lock:
                     self._waiting.popleft()
-                self._finish(req, "error")
+                for m in [req] + req.forks:
+                    m.stats["error"] = str(e)
+                    self._finish(m, "error")
                 continue
             if not admitted:
                 break
@@ -410,8 +466,11 @@ class Generator:
         force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
         cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
         top_n = top_bucket([r.logprobs for r in self._rows if r is not None and r.logprobs is not None])
-        out = self._step_fn(self._state, self._batch, jnp.asarray(active), jnp.asarray(force), jnp.asarray(cap),
-                            top_n=top_n)
+        args = (jnp.asarray(active), jnp.asarray(force), jnp.asarray(cap))
+        if any(r is not None and r.constraint is not None for r in self._rows):
+            out = self._masked_step(*args, top_n=top_n)
+        else:
+            out = self._step_fn(self._state, self._batch, *args, top_n=top_n)
         self._batch, tokens, counts = out[:3]
         tokens, counts = np.asarray(tokens), np.asarray(counts)
         scored = to_numpy(out[3]) if top_n is not None else None
@@ -431,8 +490,40 @@ class Generator:
                 req.stats["accepted"] += n - 1
                 for i in range(n - 1):
                     req.stats["accepted_by_position"][i] += 1
-            self._deliver(req, tokens[r, :n].tolist(), recs)
+            self._deliver(req, tokens[r, :n].tolist(), recs, forced=bool(force[r] >= 0))
         return True
+
+    def _masked_step(self, active, force, cap, top_n):
+        """The step split around the host's token bitmasks (``zoo.serving.masked_step``); returns
+        what ``_step_fn`` returns."""
+        p = self._masked
+        masks = np.full((self._B, self.k + 1, self._mask_words), -1, np.int32)
+        if not self.k:
+            batch, logits = p.logits(self._state, self._batch, active)      # dispatched, runs meanwhile
+            self._fill_masks(masks)
+            return p.pick(batch, logits, active, force, jnp.asarray(masks[:, :1]), top_n=top_n)
+        batch, drafts, q, x_m = p.draft(self._state, self._batch, active)
+        host_drafts = np.asarray(drafts)
+        batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active)
+        self._fill_masks(masks, host_drafts)
+        return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap,
+                        jnp.asarray(masks), top_n=top_n)
+
+    def _fill_masks(self, masks: np.ndarray, drafts: np.ndarray | None = None) -> None:
+        """Each constrained row's masks into ``masks`` [B, T, W] (the others stay all-allowed): one
+        position from the matcher's state (in parallel over rows), or with ``drafts`` [B, k] one
+        per verify position."""
+        rows = [(r, req.constraint) for r, req in enumerate(self._rows)
+                if req is not None and req.constraint is not None and not req.forcing]
+        if drafts is not None:
+            for r, c in rows:
+                c.fill(masks[r], drafts[r])
+            return
+        armed = [(c.matcher, r * masks.shape[1]) for r, c in rows if c.armed]
+        if armed:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            fill_next_token_bitmask_par(self._executor, armed, masks.reshape(-1, masks.shape[-1]))
 
     def _room(self, req: Request) -> int:
         """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""
@@ -440,20 +531,29 @@ class Generator:
         thinking = None if req.thinking is None else req.thinking.room()
         return max(1, room if thinking is None else min(room, thinking))
 
-    def _deliver(self, req: Request, new: list[int], recs: list[TokenLogprob] | None = None) -> None:
+    def _deliver(self, req: Request, new: list[int], recs: list[TokenLogprob] | None = None,
+                 forced: bool = False) -> None:
         """Append sampled tokens (and their logprob records, aligned), applying stop ids, stop
-        strings and the length limit."""
+        strings, the length limit and the output grammar (``forced``: tokens the engine forced)."""
         if req.finish_reason is not None:
             return
-        accepted = []
+        accepted, stopped = [], False
         for tok in new:
             if tok in req.stop_ids:
-                self._emit(req, accepted, recs)
-                return self._finish(req, "stop")
+                stopped = True
+                break
             accepted.append(tok)
             if len(req.tokens) + len(accepted) >= req.max_new_tokens:
                 break
+        c = req.constraint
+        if c is not None:
+            accepted = accepted[:c.advance(accepted, forced)]
         self._emit(req, accepted, recs)
+        if c is not None and c.error is not None:
+            req.stats["error"] = c.error
+            return self._finish(req, "error")
+        if stopped or (c is not None and c.complete):
+            return self._finish(req, "stop")
         if req.thinking is not None:
             req.forcing.extend(req.thinking.observe(accepted))
         if req.stop_strings and self._cut_at_stop_string(req):
@@ -497,20 +597,44 @@ class Generator:
     def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
                      top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None,
                      thinking_budget: int | None = None, thinking_opened: bool = False,
-                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> Request:
+                     logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
+                     grammar: OutputGrammar | None = None, constraints: Sequence[Constraint] | None = None) -> Request:
         """``thinking_budget``: reasoning tokens after which ``</think>`` is forced (see
         ``zoo.serving.thinking``); ``thinking_opened``: the prompt ends inside ``<think>``.
         ``logprobs`` / ``prompt_logprobs``: report log-probabilities of the generated / prompt tokens
-        with that many alternatives each (None: not computed; see the module doc)."""
+        with that many alternatives each (None: not computed; see the module doc). ``n``: choices of
+        the prompt (the first is returned, the others in its ``forks``; choice i samples with
+        ``fork_seed(seed, i)``). ``grammar``: constrain the output (a ``Constraint`` per choice is
+        built from it), or ``constraints``: ready ones, one per choice."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if constraints is None and grammar is not None:
+            constraints = [self.constraint(grammar) for _ in range(n)]
+        if constraints is not None and len(constraints) != n:
+            raise ValueError(f"{len(constraints)} constraints for {n} choices")
         stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
         strings = tuple(s for s in stop if isinstance(s, str))
         if strings and self.model.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         ids = frozenset(int(s) for s in stop if not isinstance(s, str)) | self.eos_token_ids
-        thinking = None if thinking_budget is None else self.thinking_budget(thinking_budget, thinking_opened)
-        return Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
-                       int(top_k), int(seed), ids, strings, on_tokens, on_finish, on_admit, thinking,
-                       logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        group = []
+        for i in range(n):
+            thinking = None if thinking_budget is None else self.thinking_budget(thinking_budget, thinking_opened)
+            group.append(Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
+                                 int(top_k), fork_seed(int(seed), i), ids, strings, on_tokens, on_finish, on_admit,
+                                 thinking, logprobs=logprobs, prompt_logprobs=prompt_logprobs, choice=i,
+                                 constraint=None if constraints is None else constraints[i]))
+        group[0].forks = group[1:]
+        return group[0]
+
+    def constraint(self, grammar: OutputGrammar) -> Constraint:
+        """A fresh ``Constraint`` for one request's output (compiles ``grammar`` with this model's
+        vocabulary: the caller may want it off a latency-sensitive thread)."""
+        tok = self.model.tokenizer
+        if tok is None:
+            raise ValueError("an output grammar needs a tokenizer; this model has none")
+        return Constraint(llg_tokenizer(tok, self.vocab, self.eos_token_ids), grammar.grammar,
+                          wait=grammar.wait, rearm=grammar.rearm, reasoning=grammar.reasoning)
 
     def thinking_budget(self, budget: int, opened: bool = False) -> ThinkingBudget:
         """A ``ThinkingBudget`` with this model's ``<think>`` / ``</think>`` token ids."""
@@ -521,7 +645,8 @@ class Generator:
                               insert=tuple(tok.encode("\n</think>\n\n")), opened=opened)
 
     def generate(self, input_ids, **kwargs) -> list[Generation]:
-        reqs = [self.submit(self.make_request(p, **kwargs)) for p in input_ids]
+        """Generations for each prompt of ``input_ids`` (with ``n``: its n choices in turn)."""
+        reqs = [m for p in input_ids for r in [self.submit(self.make_request(p, **kwargs))] for m in [r] + r.forks]
         if not reqs:
             raise ValueError("no prompts given")
         while not all(r.done.is_set() for r in reqs):

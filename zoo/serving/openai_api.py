@@ -26,14 +26,26 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, Logprobs, OutputParser, collect_finished, content_text
+from zoo.serving.chat import (
+    KEEPALIVE,
+    POLL_S,
+    Finish,
+    Logprobs,
+    OutputParser,
+    collect_choices,
+    content_text,
+    merge_events,
+)
+from zoo.serving.constraint import OutputGrammar
 from zoo.serving.errors import ApiError, parse_body
 from zoo.serving.logprobs import MAX_TOP
 from zoo.serving.reasoning import Reasoning, Text
+from zoo.serving.structured import EXTENSIONS, request_grammar
 from zoo.serving.tool_parsers import ToolCallArgs, ToolCallStart
 
 router = APIRouter()
 EFFORT_OFF = ("none", "minimal")       # reasoning_effort values that turn thinking off
+MAX_CHOICES = 16                       # n: at most this many choices (each takes a batch row)
 
 
 class _Body(BaseModel):
@@ -44,6 +56,7 @@ class FunctionDef(_Body):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict | None = None
+    strict: bool | None = None
 
 
 class Tool(_Body):
@@ -66,7 +79,17 @@ class Sampling(_Body):
     top_k: int = Field(0, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None       # zoo extensions (vLLM's fields): see zoo.serving.structured
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+
+    def output_grammar(self) -> str | None:
+        """The grammar the output must follow (400 for a bad or doubled constraint)."""
+        return request_grammar(self.response_format, self.model_dump(include=set(EXTENSIONS)))
 
 
 class ChatRequest(Sampling):
@@ -76,10 +99,10 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     reasoning_effort: str | None = None
     thinking_budget: int | None = Field(None, ge=1)   # zoo extension: force </think> after N reasoning tokens
     chat_template_kwargs: dict | None = None
-    response_format: dict | None = None
 
 
 class CompletionRequest(Sampling):
@@ -193,8 +216,7 @@ async def get_model(model_id: str, request: Request):
 async def chat_completions(request: Request):
     service = request.app.state.service
     body = parse(ChatRequest, await request.body())
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise ApiError(400, "response_format: only 'text' is supported", param="response_format")
+    output = body.output_grammar()
     choice, name = _tool_choice(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
@@ -207,23 +229,29 @@ async def chat_completions(request: Request):
     # rendering and tokenizing a long prompt takes a while: in a worker thread, not on the event loop
     prompt = await run_in_threadpool(service.chat_prompt, template_messages(body.messages), tools=tools,
                                      tool_choice=choice, tool_name=name, thinking=thinking,
-                                     template_kwargs=kwargs)
-    job = await service.start(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
-                              temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                              seed=body.seed, thinking_budget=body.thinking_budget,
-                              thinking_opened=prompt.opens_reasoning, logprobs=logprobs)
-    events = service.events(job, service.decoder(_stops(body.stop)), prompt.parser, prompt.initial,
-                            tick=None if body.stream else POLL_S)
+                                     template_kwargs=kwargs, output=output, parallel_calls=body.parallel_tool_calls)
+    jobs = await service.start_choices(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
+                                       temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                                       seed=body.seed, thinking_budget=body.thinking_budget,
+                                       thinking_opened=prompt.opens_reasoning, logprobs=logprobs, n=body.n,
+                                       grammar=prompt.grammar)
+    streams = [service.events(job, service.decoder(_stops(body.stop)), parser, initial,
+                              tick=None if body.stream else POLL_S)
+               for job, (parser, initial) in zip(jobs, prompt.parsers(body.n))]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model or
             service.model_name}
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         render = service.logprob_renderer.chat if logprobs is not None else None
-        return EventSourceResponse(_chat_chunks(events, job, head, usage, render), ping=0, sep="\n")
-    result = await collect_finished(events, request, job)
-    if result is None:
+        return EventSourceResponse(_chat_chunks(streams, jobs, head, usage, render), ping=0, sep="\n")
+    results = await collect_choices(streams, request, jobs)
+    if results is None:
         return None                         # the client is gone
-    out, finish = result
+    choices = [_chat_choice(i, out, finish, service, logprobs) for i, (out, finish) in enumerate(results)]
+    return {**head, "object": "chat.completion", "usage": _usage_of([f for _, f in results]), "choices": choices}
+
+
+def _chat_choice(index: int, out: list, finish: Finish, service, logprobs: int | None) -> dict:
     content = "".join(e.text for e in out if isinstance(e, Text))
     reasoning = "".join(e.text for e in out if isinstance(e, Reasoning))
     calls: list[dict] = []
@@ -242,53 +270,65 @@ async def chat_completions(request: Request):
     if logprobs is not None:
         scored = {"content": service.logprob_renderer.chat([r for e in out if isinstance(e, Logprobs)
                                                             for r in e.records])}
-    return {**head, "object": "chat.completion", "usage": _usage(finish),
-            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(finish),
-                         "logprobs": scored}]}
+    return {"index": index, "message": message, "finish_reason": _finish_reason(finish), "logprobs": scored}
 
 
-async def _chat_chunks(events, job, head: dict, include_usage: bool, render_logprobs=None):
-    """SSE chunks; with ``render_logprobs`` each chunk carries the logprobs of the tokens that
-    arrived since the last chunk (``logprobs.content``)."""
+def _usage_of(finishes: list[Finish], prompts: int = 1) -> dict:
+    """Usage of several choices: the prompt counted once per prompt (``prompts`` of them, the
+    choices of each consecutive), the completions summed."""
+    per = len(finishes) // prompts
+    prompt_tokens = sum(f.prompt_tokens for f in finishes[::per])
+    completion = sum(f.completion_tokens for f in finishes)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+async def _chat_chunks(streams, jobs, head: dict, include_usage: bool, render_logprobs=None):
+    """SSE chunks of every choice as they come (``index``); with ``render_logprobs`` each chunk
+    carries the logprobs of the tokens that arrived since that choice's last chunk."""
     base = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
-    pending: list = []
+    pending: list[list] = [[] for _ in streams]
+    finishes: list[Finish] = []
 
-    def chunk(delta: dict, finish_reason=None) -> ServerSentEvent:
+    def chunk(i: int, delta: dict, finish_reason=None) -> ServerSentEvent:
         scored = None
-        if render_logprobs is not None and pending:
-            scored = {"content": render_logprobs(pending)}
-            pending.clear()
-        data = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+        if render_logprobs is not None and pending[i]:
+            scored = {"content": render_logprobs(pending[i])}
+            pending[i].clear()
+        data = {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish_reason,
                                      "logprobs": scored}], **extra}
         return ServerSentEvent(json.dumps(data, ensure_ascii=False), sep="\n")
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for e in events:
+        for i in range(len(streams)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for i, e in merge_events(streams):
             if isinstance(e, Logprobs):
-                pending += e.records
+                pending[i] += e.records
             elif e is KEEPALIVE:
                 yield ServerSentEvent(comment="keep-alive", sep="\n")
             elif isinstance(e, Text):
-                yield chunk({"content": e.text})
+                yield chunk(i, {"content": e.text})
             elif isinstance(e, Reasoning):
-                yield chunk({"reasoning_content": e.text})
+                yield chunk(i, {"reasoning_content": e.text})
             elif isinstance(e, ToolCallStart):
-                yield chunk({"tool_calls": [{"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}",
-                                             "type": "function", "function": {"name": e.name, "arguments": ""}}]})
+                yield chunk(i, {"tool_calls": [{"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}",
+                                                "type": "function", "function": {"name": e.name, "arguments": ""}}]})
             elif isinstance(e, ToolCallArgs):
-                yield chunk({"tool_calls": [{"index": e.index, "function": {"arguments": e.delta}}]})
+                yield chunk(i, {"tool_calls": [{"index": e.index, "function": {"arguments": e.delta}}]})
             elif isinstance(e, Finish):
                 if e.reason == "error":
                     yield _error_event(e)
-                else:
-                    yield chunk({}, _finish_reason(e))
-                    if include_usage:
-                        yield ServerSentEvent(json.dumps({**base, "choices": [], "usage": _usage(e)}), sep="\n")
+                    break
+                finishes.append(e)
+                yield chunk(i, {}, _finish_reason(e))
+        else:
+            if include_usage:
+                yield ServerSentEvent(json.dumps({**base, "choices": [], "usage": _usage_of(finishes)}), sep="\n")
         yield ServerSentEvent("[DONE]", sep="\n")
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()
 
 
 def _prompts(body: CompletionRequest) -> list[str | list[int]]:
@@ -314,10 +354,10 @@ async def completions(request: Request):
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens: 0 only with echo (the prompt's logprobs)", param="max_tokens")
+    output = body.output_grammar()
     prompts = _prompts(body)
-    if body.stream and (body.echo or len(prompts) > 1):
-        raise ApiError(400, "stream: echo and several prompts need a non-streaming request",
-                       param="echo" if body.echo else "prompt")
+    if body.stream and body.echo:
+        raise ApiError(400, "stream: echo needs a non-streaming request", param="echo")
     ids = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -334,31 +374,30 @@ async def completions(request: Request):
         prompt_logprobs = 0                 # a prefill only; its logprobs go unreported
     jobs = []
     try:
-        for p in ids:
-            jobs.append(await service.start(p, max_tokens=body.max_tokens, temperature=body.temperature,
-                                            top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
-                                            logprobs=body.logprobs, prompt_logprobs=prompt_logprobs))
+        for p in ids:                       # choice index = prompt index * n + choice, as OpenAI's
+            jobs += await service.start_choices(p, max_tokens=body.max_tokens, temperature=body.temperature,
+                                                top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
+                                                logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
+                                                grammar=None if output is None else OutputGrammar(output))
     except BaseException:
         for job in jobs:
             job.cancel()
         raise
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or service.model_name}
-    stream = [service.events(job, service.decoder(_stops(body.stop)), OutputParser(reasoning=False),
-                             tick=None if body.stream else POLL_S) for job in jobs]
+    streams = [service.events(job, service.decoder(_stops(body.stop)), OutputParser(reasoning=False),
+                              tick=None if body.stream else POLL_S) for job in jobs]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         render = service.logprob_renderer.completion if body.logprobs is not None else None
-        return EventSourceResponse(_completion_chunks(stream[0], jobs[0], head, usage, render), ping=0, sep="\n")
-    choices, finishes = [], []
-    for index, (p, job, events) in enumerate(zip(prompts, jobs, stream)):
-        result = await collect_finished(events, request, job)
-        if result is None:
-            for other in jobs:
-                other.cancel()
-            return None                     # the client is gone
-        out, finish = result
-        finishes.append(finish)
+        return EventSourceResponse(_completion_chunks(streams, jobs, head, usage, render, len(prompts)),
+                                   ping=0, sep="\n")
+    results = await collect_choices(streams, request, jobs)
+    if results is None:
+        return None                         # the client is gone
+    choices = []
+    for index, (job, (out, finish)) in enumerate(zip(jobs, results)):
+        p = prompts[index // body.n]
         text = "".join(e.text for e in out if not isinstance(e, Logprobs))
         echoed = (p if isinstance(p, str) else service.tokenizer.decode(p, skip_special_tokens=False)) if body.echo \
             else ""
@@ -367,45 +406,48 @@ async def completions(request: Request):
             recs = (job.req.prompt_token_logprobs or []) if body.echo else []
             scored = service.logprob_renderer.completion(recs + job.logprobs)
         choices.append({"index": index, "text": echoed + text, "finish_reason": finish.reason, "logprobs": scored})
-    usage = {"prompt_tokens": sum(f.prompt_tokens for f in finishes),
-             "completion_tokens": sum(f.completion_tokens for f in finishes)}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return {**head, "usage": usage, "choices": choices}
+    return {**head, "usage": _usage_of([f for _, f in results], len(prompts)), "choices": choices}
 
 
-async def _completion_chunks(events, job, head: dict, include_usage: bool, render_logprobs=None):
-    """SSE chunks; with ``render_logprobs`` each chunk carries the legacy logprobs object of the
-    tokens that arrived since the last chunk (``text_offset`` counting on across chunks)."""
+async def _completion_chunks(streams, jobs, head: dict, include_usage: bool, render_logprobs=None, prompts: int = 1):
+    """SSE chunks of every choice as they come (``index``); with ``render_logprobs`` each chunk
+    carries the legacy logprobs object of the tokens that arrived since that choice's last chunk
+    (``text_offset`` counting on across its chunks)."""
     extra = {"usage": None} if include_usage else {}
-    pending: list = []
-    offset = 0
+    pending: list[list] = [[] for _ in streams]
+    offset = [0] * len(streams)
+    finishes: list[Finish] = []
 
-    def chunk(text: str, finish_reason=None) -> ServerSentEvent:
-        nonlocal offset
+    def chunk(i: int, text: str, finish_reason=None) -> ServerSentEvent:
         scored = None
-        if render_logprobs is not None and (pending or finish_reason is None):
-            scored = render_logprobs(pending, offset)
-            offset += sum(len(t) for t in scored["tokens"])
-            pending.clear()
-        data = {**head, "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": scored}],
+        if render_logprobs is not None and (pending[i] or finish_reason is None):
+            scored = render_logprobs(pending[i], offset[i])
+            offset[i] += sum(len(t) for t in scored["tokens"])
+            pending[i].clear()
+        data = {**head, "choices": [{"index": i, "text": text, "finish_reason": finish_reason, "logprobs": scored}],
                 **extra}
         return ServerSentEvent(json.dumps(data, ensure_ascii=False), sep="\n")
 
     try:
-        async for e in events:
+        async for i, e in merge_events(streams):
             if isinstance(e, Logprobs):
-                pending += e.records
+                pending[i] += e.records
             elif e is KEEPALIVE:
                 yield ServerSentEvent(comment="keep-alive", sep="\n")
             elif isinstance(e, Text):
-                yield chunk(e.text)
+                yield chunk(i, e.text)
             elif isinstance(e, Finish):
                 if e.reason == "error":
                     yield _error_event(e)
-                else:
-                    yield chunk("", e.reason)
-                    if include_usage:
-                        yield ServerSentEvent(json.dumps({**head, "choices": [], "usage": _usage(e)}), sep="\n")
+                    break
+                finishes.append((i, e))
+                yield chunk(i, "", e.reason)
+        else:
+            if include_usage:
+                ordered = [f for _, f in sorted(finishes, key=lambda x: x[0])]
+                yield ServerSentEvent(json.dumps({**head, "choices": [], "usage": _usage_of(ordered, prompts)}),
+                                      sep="\n")
         yield ServerSentEvent("[DONE]", sep="\n")
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()

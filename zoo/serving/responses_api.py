@@ -50,6 +50,7 @@ from zoo.serving.responses_request import (
     template_messages,
     tool_choice,
 )
+from zoo.serving.structured import response_format_grammar
 from zoo.serving.tool_parsers import ToolCallArgs, ToolCallEnd, ToolCallStart
 
 router = APIRouter()
@@ -253,9 +254,14 @@ def _response_object(body: ResponsesRequest, model_name: str) -> dict:
             "prompt_cache_key": body.prompt_cache_key,
             "reasoning": {"effort": reasoning.effort if reasoning else None,
                           "summary": reasoning.summary if reasoning else None},
-            "store": body.store, "temperature": body.temperature, "text": {"format": {"type": "text"}},
+            "store": body.store, "temperature": body.temperature, "text": {"format": _format(body)},
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": body.top_p,
             "truncation": "disabled", "usage": None, "metadata": body.metadata or {}, "user": None}
+
+
+def _format(body: ResponsesRequest) -> dict:
+    fmt = body.text.format if body.text is not None else None
+    return {"type": "text"} if fmt is None else fmt.model_dump()
 
 
 def _render(service, body: ResponsesRequest, prior: list[dict]):
@@ -265,8 +271,11 @@ def _render(service, body: ResponsesRequest, prior: list[dict]):
     effort = body.reasoning.effort if body.reasoning is not None else None
     thinking = None if effort is None else effort not in EFFORT_OFF
     messages = template_messages(body.instructions, prior + input_items(body))
+    fmt = body.text.format if body.text is not None else None
+    output = None if fmt is None else response_format_grammar(fmt.model_dump(), "text.format")
     prompt = service.chat_prompt(messages, tools=tools or None, tool_choice=choice, tool_name=name,
-                                 thinking=thinking, template_kwargs={"reasoning_effort": effort} if effort else {})
+                                 thinking=thinking, template_kwargs={"reasoning_effort": effort} if effort else {},
+                                 output=output, parallel_calls=body.parallel_tool_calls)
     return prompt, namespaces
 
 
@@ -287,7 +296,7 @@ async def create_response(request: Request):
     logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or []) else None
     job = await service.start(prompt.ids, max_tokens=body.max_output_tokens, temperature=body.temperature,
                               top_p=body.top_p, top_k=0, seed=None, thinking_opened=prompt.opens_reasoning,
-                              logprobs=logprobs)
+                              logprobs=logprobs, grammar=prompt.grammar)
     events = service.events(job, service.decoder(), prompt.parser, prompt.initial,
                             tick=None if body.stream else POLL_S)
     builder = OutputBuilder(_response_object(body, service.model_name), summary=body.summary, namespaces=namespaces,

@@ -63,6 +63,8 @@ class ReasoningConfig(_Body):
 
 
 class TextFormat(_Body):
+    """``{"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}``."""
+    model_config = ConfigDict(extra="allow")
     type: str = "text"
 
 
@@ -106,8 +108,6 @@ def check_supported(body: ResponsesRequest) -> None:
     if body.conversation is not None:
         raise ApiError(400, "conversation: conversations are not supported; use previous_response_id",
                        param="conversation")
-    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
-        raise ApiError(400, "text.format: only 'text' is supported (no structured outputs)", param="text.format")
 
 
 def function_tools(body: ResponsesRequest) -> tuple[list[dict], dict[str, str]]:

@@ -16,6 +16,11 @@ import jax
 import jax.numpy as jnp
 
 
+def row_keys(params: dict) -> jax.Array:
+    """This step's PRNG key per row: the row's ``seed`` [B] folded with its own ``step`` count [B]."""
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params["seed"], params["step"])
+
+
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Set logits outside the top-k / nucleus (top-p) sets to -inf. logits [B, V]; top_k, top_p [B]."""
     v = logits.shape[-1]

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from zoo.models.contract import CausalLMContract
 from zoo.models.shared.cache import ModelCache
 from zoo.serving.sampling import draw, probs
+from zoo.serving.token_mask import apply_token_mask
 
 
 def accept(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array):
@@ -59,20 +60,11 @@ def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
 
 
-def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
-              params: dict, k: int, force: jax.Array | None = None, cap: jax.Array | None = None,
-              with_logits: bool = False):
-    """One speculative decode step for every row (see module docstring).
-
-    pending: ``{"h": [B, k+1, D], "tok": [B, k+1] int32, "n": [B] int32}`` rows for the MTP;
-    active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B];
-    force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token;
-    cap [B] int32 (optional): a row emits at most ``cap`` (>= 1) tokens this step (accepted drafts past
-    the cap are dropped and rolled back; the last kept one is an accepted draft, so still exact).
-    Returns (cache, pending, tokens [B, k+1] int32, n_tokens [B] int32 (0 for inactive rows)), and
-    with ``with_logits`` also the target's verify logits [B, k+1, V]: position i is the model's
-    distribution for ``tokens[:, i]`` (what a plain decode step would have given for that token).
-    """
+def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
+          params: dict, k: int):
+    """Phase 1 of a step: MTP catch-up on the pending rows, then k chained drafts.
+    Returns (cache, drafts [B, k] int32, q [B, k, V] the draft distributions, x_m [B] the last
+    emitted token, which the verify feeds first)."""
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     greedy = temp <= 0
     sub = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)           # [B, k+1]
@@ -92,14 +84,33 @@ def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active:
         qs.append(probs(q_i, temp, top_k, top_p))
         drafts.append(draw(sub[:, i], qs[-1], greedy))
     cache = model.mtp_restore(cache, mark)                              # drop the provisional rows
-    drafts = jnp.stack(drafts, axis=1)                                  # [B, k]
-    x_m = _at(pending["tok"], last)
+    return cache, jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), _at(pending["tok"], last)
+
+
+def verify(model: CausalLMContract, cache: ModelCache, x_m: jax.Array, drafts: jax.Array, active: jax.Array):
+    """Phase 2: the target model over ``[x_m, d_1..d_k]``, keeping the recurrent state after each
+    token. Returns (p_logits [B, k+1, V], h [B, k+1, D], cache, before: the slots to roll back to)."""
     verify_ids = jnp.concatenate([x_m[:, None], drafts], axis=1)
     before = cache.slots
     p_logits, h, cache = model(verify_ids, jnp.broadcast_to(active[:, None], verify_ids.shape), cache,
                                keep_steps=True)
+    return p_logits, h, cache, before
+
+
+def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Array, h: jax.Array, q: jax.Array,
+           drafts: jax.Array, active: jax.Array, keys: jax.Array, params: dict, force: jax.Array | None = None,
+           cap: jax.Array | None = None, mask: jax.Array | None = None):
+    """Phase 3: accept (the target logits masked by ``mask`` [B, k+1, W] token bitmasks, if given:
+    the target distribution is then the masked one, see ``zoo.serving.token_mask``), apply
+    ``cap`` / ``force``, roll back. Returns (cache, pending, tokens [B, k+1], n_tokens [B])."""
+    k = drafts.shape[1]
+    temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
+    greedy = temp <= 0
+    sub = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)
+    if mask is not None:
+        p_logits = apply_token_mask(p_logits, mask)
     p = probs(p_logits, temp, top_k, top_p)
-    n_acc, extra = accept(sub[:, k], p, jnp.stack(qs, axis=1), drafts, greedy)
+    n_acc, extra = accept(sub[:, k], p, q, drafts, greedy)
     if cap is not None:
         limit = jnp.maximum(cap, 1) - 1
         past = n_acc > limit                                  # then drafts[limit] was accepted: emit it last
@@ -113,7 +124,30 @@ def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active:
     pos = jnp.arange(k + 1)[None, :]
     drafts_ext = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
     tokens = jnp.where(pos == n_acc[:, None], extra[:, None], drafts_ext).astype(jnp.int32)
-    pending = {"h": h.astype(pending["h"].dtype), "tok": tokens, "n": n_acc + 1}
-    if with_logits:
-        return cache, pending, tokens, n_keep, p_logits
+    pending = {"h": h, "tok": tokens, "n": n_acc + 1}
     return cache, pending, tokens, n_keep
+
+
+def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
+              params: dict, k: int, force: jax.Array | None = None, cap: jax.Array | None = None,
+              with_logits: bool = False):
+    """One speculative decode step for every row (see module docstring): ``draft``, ``verify`` and
+    ``settle`` in one program.
+
+    pending: ``{"h": [B, k+1, D], "tok": [B, k+1] int32, "n": [B] int32}`` rows for the MTP;
+    active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B];
+    force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token;
+    cap [B] int32 (optional): a row emits at most ``cap`` (>= 1) tokens this step (accepted drafts past
+    the cap are dropped and rolled back; the last kept one is an accepted draft, so still exact).
+    Returns (cache, pending, tokens [B, k+1] int32, n_tokens [B] int32 (0 for inactive rows)), and
+    with ``with_logits`` also the target's verify logits [B, k+1, V]: position i is the model's
+    distribution for ``tokens[:, i]`` (what a plain decode step would have given for that token).
+    """
+    cache, drafts, q, x_m = draft(model, cache, pending, active, keys, params, k)
+    p_logits, h, cache, before = verify(model, cache, x_m, drafts, active)
+    cache, new, tokens, n_keep = settle(model, cache, before, p_logits, h, q, drafts, active, keys, params,
+                                       force, cap)
+    new = {**new, "h": new["h"].astype(pending["h"].dtype)}
+    if with_logits:
+        return cache, new, tokens, n_keep, p_logits
+    return cache, new, tokens, n_keep

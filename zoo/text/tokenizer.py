@@ -95,6 +95,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (what llguidance builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
