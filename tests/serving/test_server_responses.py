@@ -164,7 +164,7 @@ def test_max_output_tokens_makes_an_incomplete_response(server):
     ({"input": "hi", "reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
     ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": 5}}}, 400, "text.format"),
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": []}, 400, "input"),
     ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),

@@ -198,6 +198,7 @@ class Generator:
         self._mask_words = mask_words(self.vocab)
         self._executor = None                               # llguidance's thread pool, made on first use
         self.prefills = 0                                   # prompts prefilled (a request's choices share one)
+        self.steps = 0                                      # decode steps run
 
     # -- device programs ----------------------------------------------------------------------
     def _empty_impl(self, rows: int, length: int) -> dict:
@@ -467,6 +468,7 @@ class Generator:
         cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
         top_n = top_bucket([r.logprobs for r in self._rows if r is not None and r.logprobs is not None])
         args = (jnp.asarray(active), jnp.asarray(force), jnp.asarray(cap))
+        self.steps += 1
         if any(r is not None and r.constraint is not None for r in self._rows):
             out = self._masked_step(*args, top_n=top_n)
         else:

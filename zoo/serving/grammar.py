@@ -103,32 +103,35 @@ def _literal(text: str, tokens: dict[str, int] | None = None) -> str:
     return " ".join(parts) or '""'
 
 
-def _value(schema: dict) -> str:
-    """Lark expression for one argument value (see the module doc)."""
+def _value(schema: dict, framed: bool) -> tuple[str, bool]:
+    """Lark expression for one argument value (see the module doc), and whether it is raw text
+    (which may end in a newline: the lexer takes the longest match, so a raw value followed by a
+    literal starting with a newline would swallow it). ``framed``: a newline may end raw text (Qwen
+    frames values by newlines)."""
     options = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if options is not None and all(isinstance(o, str) for o in options):
-        return "(" + " | ".join(_literal(o) for o in options) + ")"
-    types = schema.get("type")
-    if types == "string":
+        return "(" + " | ".join(_literal(o) for o in options) + ")", False
+    if schema.get("type") == "string":
         low, high = schema.get("minLength"), schema.get("maxLength")
-        counts = "*" if low is None and high is None else "{%d,%s}" % (low or 0, "" if high is None else high)
-        return f"/[^<]{counts}/"
-    return "%json " + json.dumps(schema)
+        if low is None and high is None:
+            return "/[^<]*/", True
+        return "/[^<]{%d,%s}%s/" % (low or 0, "" if high is None else high, "\\n?" if framed else ""), True
+    return "%json " + json.dumps(schema), False
 
 
-def _call(fmt: str, name: str, parameters: dict) -> tuple[str, list[tuple[str, str, str]]]:
-    """A call's opening text and its arguments as (text before, value expression, text after),
-    required ones marked by a trailing "" (optional: "?")."""
+def _call(fmt: str, name: str, parameters: dict) -> tuple[str, list[tuple[str, str, str, str]]]:
+    """A call's opening text and its arguments as (text before, value expression, text after,
+    "" for a required argument or "?")."""
     props = parameters.get("properties") or {}
     required = set(parameters.get("required") or [])
     args = []
     for key, sub in props.items():
-        sub = sub if isinstance(sub, dict) else {}
-        if fmt == "qwen":
-            head, tail = f"<parameter={key}>\n", "\n</parameter>\n"
+        value, raw = _value(sub if isinstance(sub, dict) else {}, framed=fmt == "qwen")
+        if fmt == "qwen":      # a raw value takes its framing newline itself (the parser strips it)
+            head, tail = f"<parameter={key}>\n", ("" if raw else "\n") + "</parameter>\n"
         else:
             head, tail = f"<arg_key>{key}</arg_key><arg_value>", "</arg_value>"
-        args.append((head, _value(sub), tail, "" if key in required else "?"))
+        args.append((head, value, tail, "" if key in required else "?"))
     opening = f"<tool_call>\n<function={name}>\n" if fmt == "qwen" else f"<tool_call>{name}"
     return opening, args
 
