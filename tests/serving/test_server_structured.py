@@ -205,3 +205,14 @@ def test_bad_constraints_are_400(plain):
     r = httpx.post(plain.url + "/v1/responses", headers=AUTH, json={
         "model": "tiny", "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}})
     assert r.status_code == 400 and "text.format" in r.json()["error"]["message"]
+
+
+def test_responses_tool_calls_follow_the_schema(templated):
+    schema = openai.pydantic_function_tool(Lookup, name="lookup")["function"]["parameters"]
+    tools = [{"type": "function", "name": "lookup", "parameters": schema, "strict": True}]
+    for seed_choice in ("required", {"type": "function", "name": "lookup"}):
+        r = client(templated).responses.create(model="tiny", input="Weather?", tools=tools, tool_choice=seed_choice,
+                                               parallel_tool_calls=False, temperature=1.0, max_output_tokens=200)
+        calls = [item for item in r.output if item.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "lookup"
+        Lookup.model_validate_json(calls[0].arguments)
