@@ -59,7 +59,7 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from zoo.serving import speculative
 from zoo.serving.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
 from zoo.serving.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token_logprobs, top_bucket
-from zoo.serving.masked_step import MaskedPrograms
+from zoo.serving.masked_step import MaskedPrograms, pick_next
 from zoo.serving.sampling import row_keys, sample
 from zoo.serving.thinking import ThinkingBudget
 from zoo.serving.token_mask import apply_token_mask
@@ -233,18 +233,14 @@ class Generator:
         from the target model's logits (the verify logits when speculating)."""
         model = nnx.merge(self._graphdef, state)
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
-        keys = row_keys(params)
         if self.k:
-            out = speculative.spec_step(model, cache, carry, active, keys, params, self.k, force, cap,
+            out = speculative.spec_step(model, cache, carry, active, row_keys(params), params, self.k, force, cap,
                                         with_logits=top_n is not None)
             cache, carry, tokens, n = out[:4]
             logits = out[4] if top_n is not None else None
         else:
-            tok = carry["tok"]
-            logits, _, cache = model(tok[:, None], active[:, None], cache)
-            new = sample(logits[:, 0], keys, params["temperature"], params["top_k"], params["top_p"])
-            new = jnp.where(force >= 0, force, new)
-            carry = {"tok": jnp.where(active, new, tok)}
+            logits, _, cache = model(carry["tok"][:, None], active[:, None], cache)
+            carry, new = pick_next(carry["tok"], params, logits[:, 0], active, force)
             tokens, n = new[:, None], active.astype(jnp.int32)
         params = {**params, "step": params["step"] + active.astype(jnp.int32)}
         batch = {"cache": shard_cache(cache), "carry": carry, "params": params}

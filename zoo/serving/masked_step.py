@@ -35,6 +35,18 @@ from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import on_mesh
 
 
+def pick_next(tok: jax.Array, params: dict, logits: jax.Array, active: jax.Array, force: jax.Array,
+              masks: jax.Array | None = None):
+    """A plain decode step's sampling: the next token [B] from ``logits`` [B, V] (masked by ``masks``
+    [B, W] if given), ``force`` >= 0 overriding it; inactive rows keep ``tok`` as their carry.
+    Returns (carry ``{"tok": [B]}``, new [B])."""
+    if masks is not None:
+        logits = apply_token_mask(logits, masks)
+    new = sample(logits, row_keys(params), params["temperature"], params["top_k"], params["top_p"])
+    new = jnp.where(force >= 0, force, new)
+    return {"tok": jnp.where(active, new, tok)}, new
+
+
 class MaskedPrograms:
     """The jitted parts (see the module doc) for a model split into ``graphdef`` + state, with
     ``k`` MTP drafts per step (0: plain). The batch is donated to each part."""
@@ -57,12 +69,9 @@ class MaskedPrograms:
 
     @staticmethod
     def _pick(batch, logits, active, force, masks, top_n: int | None = None):
-        params, tok = batch["params"], batch["carry"]["tok"]
-        masked = apply_token_mask(logits[:, 0], masks[:, 0])
-        new = sample(masked, row_keys(params), params["temperature"], params["top_k"], params["top_p"])
-        new = jnp.where(force >= 0, force, new)
-        batch = {**batch, "carry": {"tok": jnp.where(active, new, tok)},
-                 "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
+        params = batch["params"]
+        carry, new = pick_next(batch["carry"]["tok"], params, logits[:, 0], active, force, masks[:, 0])
+        batch = {**batch, "carry": carry, "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
         out = (batch, new[:, None], active.astype(jnp.int32))
         return out + (token_logprobs(logits, new[:, None], top_n),) if top_n is not None else out
 
