@@ -70,6 +70,14 @@ def test_qwen_both_layouts_with_generator_in_expert_parallel(tmp_path):
     assert r["tp_err"] <= TOL and r["ep_err"] <= TOL and r["ep_cache_split"] > 0
 
 
+def test_prefix_cache_on_the_mesh_both_models_both_layouts(tmp_path):
+    """Restored prefixes on 8 devices ("tp" and "ep", plain and MTP) give the single-device tokens."""
+    paths = {"glm": str(write_random_checkpoint(tmp_path / "glm", GLM, seed=1)),
+             "qwen": str(write_random_checkpoint(tmp_path / "qwen", QWEN, seed=2))}
+    r = run_check("prefix_cache", paths=paths)
+    assert len(r) == 8 and all(v["hits"][1] > 0 and v["logprob_err"] <= TOL for v in r.values()), r
+
+
 def test_quantized_expert_banks_split_by_rows_and_input_blocks(tmp_path):
     """The llama.cpp GLM fixture with its routed experts re-quantized to Q8_0 (8 blocks per row of
     ``down``), everything else as stored (Q8_0, Q6_K, F32); its sharded forward also lowers for TPU

@@ -99,6 +99,16 @@ class ScriptCache(CacheState):
     def without_mtp(self) -> "ScriptCache":
         return self
 
+    @property
+    def slots(self):
+        """The wrapped model's slot bookkeeping (what the generator reads and trims)."""
+        return self.inner.slots
+
+    def replace(self, **changes):
+        if "slots" in changes:
+            changes["inner"] = self.inner.replace(slots=changes.pop("slots"))
+        return super().replace(**changes)
+
 
 class ScriptedLM(nnx.Module):
     """The tiny model, with scripted answers (see the module doc). Plain decoding only (no MTP)."""
@@ -132,8 +142,9 @@ class ScriptedLM(nnx.Module):
             step = cache.step + mask[:, 0].astype(jnp.int32)
         forced = table[jnp.maximum(script, 0), jnp.minimum(step, table.shape[1] - 1)]
         forced_logits = jnp.where(jax.nn.one_hot(forced, logits.shape[-1]) > 0, 0.0, -1e9).astype(logits.dtype)
-        last_logits = jnp.where((script >= 0)[:, None], forced_logits, logits[:, -1])
-        logits = logits.at[:, -1].set(last_logits)
+        at = jnp.maximum(mask.astype(jnp.int32).sum(axis=1) - 1, 0)[:, None, None]    # the last real token
+        last_logits = jnp.where((script >= 0)[:, None], forced_logits, jnp.take_along_axis(logits, at, 1)[:, 0])
+        logits = jnp.where(jnp.arange(logits.shape[1])[None, :, None] == at, last_logits[:, None], logits)
         return logits, hidden, ScriptCache(inner=inner, script=script, step=step)
 
 

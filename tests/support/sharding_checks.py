@@ -237,7 +237,47 @@ def abstract() -> dict:
     return out
 
 
-CHECKS = {"glm": glm, "qwen": qwen, "quantized": quantized, "memory": memory, "abstract": abstract}
+def prefix_cache(paths: dict) -> dict:
+    """Prefix caching on the mesh, both layouts, plain and MTP (k=2): a three-turn conversation
+    whose turns 2 and 3 restore the cached prefix (blocks written into a sharded row, state leaves,
+    the MTP slots) gives the tokens and logprobs of the single-device run without the cache."""
+    from zoo.serving.generator import Generator
+    from zoo.serving.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(3)
+    turns = [rng.integers(3, 250, n).tolist() for n in (45, 9, 14)]
+
+    def converse(gen):
+        prompt, outs = [], []
+        for extra in turns:
+            prompt = prompt + (outs[-1].tokens if outs else []) + extra
+            outs.append(gen.generate([prompt], max_new_tokens=NEW + 3, logprobs=2)[0])
+        return outs
+
+    out = {}
+    for name, path in paths.items():
+        ref = zoo.load(path, dtype="float32")
+        for k in (0, 2):
+            want = converse(Generator(ref, spec_tokens=k, prefill_chunk=32, prefix_cache=0))
+            for layout in ("tp", "ep"):
+                sharded = zoo.load(path, dtype="float32", mesh=layout)
+                gen = Generator(sharded, spec_tokens=k, prefill_chunk=32, prefix_cache=PrefixCache(2**30, 2**30, 16))
+                got = converse(gen)
+                err = 0.0
+                for g, w in zip(got, want):
+                    assert g.tokens == w.tokens, (name, layout, k, g.tokens, w.tokens)
+                    a = np.array([r.logprob for r in g.logprobs])
+                    b = np.array([r.logprob for r in w.logprobs])
+                    err = max(err, float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1.0))))
+                hits = [g.stats["cached_tokens"] for g in got]
+                assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1], hits
+                assert err <= TOL, (name, layout, k, err)
+                out[f"{name}/{layout}/k{k}"] = {"hits": hits, "logprob_err": err}
+    return out
+
+
+CHECKS = {"glm": glm, "qwen": qwen, "quantized": quantized, "memory": memory, "abstract": abstract,
+          "prefix_cache": prefix_cache}
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, f"expected 8 virtual devices, got {jax.device_count()} (XLA_FLAGS)"

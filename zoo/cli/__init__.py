@@ -79,7 +79,8 @@ def _serve(args) -> int:
                      prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
                      queue_timeout_s=args.queue_timeout, model_name=name,
                      tool_format=None if args.tool_format == "none" else args.tool_format,
-                     thinking_budget=args.thinking_budget)
+                     thinking_budget=args.thinking_budget, prefix_cache_gb=args.prefix_cache_gb,
+                     prefix_cache_host_gb=args.prefix_cache_host_gb)
     sock = bind(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host
     base = f"http://{host}:{sock.getsockname()[1]}"
@@ -140,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
     s.add_argument("--prefill-chunk", type=int, default=1024,
                    help="prompt tokens per prefill program, a power of two (zoo compile reports what fits)")
+    s.add_argument("--prefix-cache-gb", type=float, default=None, metavar="N",
+                   help="GiB of accelerator memory for cached prompt prefixes (default: a quarter of the "
+                        "cache budget; 0: no prefix caching)")
+    s.add_argument("--prefix-cache-host-gb", type=float, default=None, metavar="N",
+                   help="GiB of host RAM for prefixes evicted from the accelerator (default: a tenth of RAM)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (more: 429)")
     s.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
     s.add_argument("--tool-format", default="auto", choices=["auto", "qwen", "glm", "none"],

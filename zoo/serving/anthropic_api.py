@@ -44,9 +44,22 @@ def _stop_reason(finish: Finish, clipped: bool) -> str:
     return "tool_use" if finish.tool_calls else "end_turn"
 
 
-def _usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+def _usage(prompt_tokens: int, output_tokens: int, read: int = 0, written: int = 0) -> dict:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens neither read from the prefix cache
+    nor written to it up to a ``cache_control`` mark (the three add up to the prompt)."""
+    return {"input_tokens": prompt_tokens - read - written, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": written, "cache_read_input_tokens": read}
+
+
+def _finish_usage(finish: Finish) -> dict:
+    return _usage(finish.prompt_tokens, finish.completion_tokens, finish.cached_tokens, finish.cache_written)
+
+
+def _start_usage(job, prompt) -> dict:
+    """The usage message_start reports: the job is admitted, so its cached prefix is known."""
+    hit = job.req.prefix_hit
+    read = 0 if hit is None else hit.length
+    return _usage(len(prompt.ids), 0, read, max(0, max(prompt.marks, default=0) - read))
 
 
 @router.post("/v1/messages")
@@ -58,13 +71,14 @@ async def messages(request: Request):
     budget = thinking.budget_tokens if thinking is not None and thinking.type == "enabled" else None
     job = await service.start(prompt.ids, max_tokens=body.max_tokens, temperature=body.temperature,
                               top_p=body.top_p, top_k=body.top_k, seed=None, thinking_budget=budget,
-                              thinking_opened=prompt.opens_reasoning, grammar=prompt.grammar)
+                              thinking_opened=prompt.opens_reasoning, grammar=prompt.grammar,
+                              cache_marks=prompt.marks)
     events = service.events(job, service.decoder(body.stop_sequences or []), prompt.parser,
                             prompt.initial, tick=None if body.stream else POLL_S)
     clipped = body.max_tokens > service.context - len(prompt.ids)
     omit = thinking is not None and thinking.display == "omitted"
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,
-               "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(len(prompt.ids), 0)}
+               "content": [], "stop_reason": None, "stop_sequence": None, "usage": _start_usage(job, prompt)}
     if body.context_management is not None:
         message["context_management"] = {"applied_edits": []}       # accepted, none applied
     if body.stream:
@@ -80,7 +94,7 @@ async def messages(request: Request):
         if b["type"] == "tool_use":
             b["input"] = json.loads(b.pop("partial_json") or "{}")
     return {**message, "content": blocks, "stop_reason": _stop_reason(finish, clipped),
-            "stop_sequence": finish.stop_sequence, "usage": _usage(finish.prompt_tokens, finish.completion_tokens)}
+            "stop_sequence": finish.stop_sequence, "usage": _finish_usage(finish)}
 
 
 def _block_start(e) -> dict:
@@ -134,7 +148,7 @@ async def _stream(events, job, message: dict, clipped: bool, omit: bool):
                     return
                 yield _sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(e, clipped),
                                                                "stop_sequence": e.stop_sequence},
-                            "usage": _usage(e.prompt_tokens, e.completion_tokens)})
+                            "usage": _finish_usage(e)})
                 yield _sse({"type": "message_stop"})
                 return
             if isinstance(e, ToolCallEnd):

@@ -270,6 +270,26 @@ def reasoning_effort(body: CountRequest) -> str | None:
     return body.output_config.effort if body.output_config is not None else None
 
 
+def cache_marks(body: CountRequest) -> list[str]:
+    """The texts of the system and message blocks marked with ``cache_control``, in prompt order:
+    where they end in the prompt, the prefix cache keeps a snapshot (the prompt's end always gets
+    one; marked tool definitions add nothing, the tools render before the system text)."""
+    marks = []
+    if isinstance(body.system, list):
+        marks += [b.text for b in body.system if b.cache_control is not None and b.text]
+    for m in body.messages:
+        for b in [] if isinstance(m.content, str) else m.content:
+            if not isinstance(b, dict) or b.get("cache_control") is None:
+                continue
+            text = b.get("text") if b.get("type") == "text" else b.get("content") if b.get("type") == "tool_result" \
+                else None
+            if isinstance(text, list):
+                text = "".join(part.get("text", "") for part in text if isinstance(part, dict))
+            if isinstance(text, str) and text:
+                marks.append(text)
+    return marks
+
+
 def render_prompt(service, body: CountRequest) -> ChatPrompt:
     """The request as prompt tokens and an output parser (``Service.chat_prompt``)."""
     messages, prefill, referenced = template_messages(body)
@@ -292,4 +312,4 @@ def render_prompt(service, body: CountRequest) -> ChatPrompt:
     effort = reasoning_effort(body)
     return service.chat_prompt(messages, tools=tools or None, tool_choice=choice, tool_name=name,
                                thinking=thinking, template_kwargs={"reasoning_effort": effort} if effort else {},
-                               prefill=prefill, output=output)
+                               prefill=prefill, output=output, marks=cache_marks(body))

@@ -209,7 +209,10 @@ class _Session:
         label = f"prefill chunk={chunk} L={context}" + (" + MTP rows" if spec_tokens else "")
         read = must_read(self.model.module, self.model.config, rows=chunk, mtp_calls=1 if spec_tokens else 0,
                          mtp_rows=chunk)
-        return self._report(label, gen.program("prefill", keep_unused=True), (gen.weights, ids, mask, ids, mask, state),
+        hidden = jax.ShapeDtypeStruct((1, self.model.config.hidden_size), self.model.module.dtype,
+                                      sharding=ids.sharding)
+        return self._report(label, gen.program("prefill", keep_unused=True),
+                            (gen.weights, ids, mask, hidden, ids, mask, state),
                             state, read)
 
     def _report(self, label: str, fn, args: tuple, state, read: dict) -> dict:

@@ -15,11 +15,12 @@ tokens to answer events.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 import jinja2
 from starlette.concurrency import run_in_threadpool
@@ -41,10 +42,14 @@ POLL_S = 1.0           # non-streaming requests: how often to check that the cli
 
 @dataclass
 class Finish:
-    """The end of a generation. ``reason``: "stop" (end of turn or stop string), "length", "error"."""
+    """The end of a generation. ``reason``: "stop" (end of turn or stop string), "length", "error".
+    ``cached_tokens``: prompt tokens restored from the prefix cache; ``cache_written``: prompt tokens
+    up to the last ``cache_control`` mark that this request prefilled (and cached)."""
     reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    cache_written: int = 0
     stop_sequence: str | None = None
     tool_calls: bool = False
     error: str | None = None
@@ -184,6 +189,21 @@ def fold_system_messages(messages: list[dict]) -> list[dict]:
     return ([{"role": "system", "content": "\n\n".join(head)}] if head else []) + out
 
 
+def _token_marks(text: str, ends: list[int], marks: Sequence[str]) -> tuple[int, ...]:
+    """Token positions where each of ``marks`` (searched in order in ``text``) ends: the tokens whose
+    text ends at or before that character (``ends``: per token). A text not found is skipped."""
+    out, at = [], 0
+    for mark in marks:
+        found = text.find(mark, at)
+        if found < 0:
+            continue
+        at = found + len(mark)
+        n = bisect.bisect_right(ends, at)
+        if n and (not out or n > out[-1]):
+            out.append(n)
+    return tuple(out)
+
+
 @dataclass
 class ChatPrompt:
     """A rendered chat request: prompt ids, the parser for its output, events of a forced prefix,
@@ -194,6 +214,7 @@ class ChatPrompt:
     opens_reasoning: bool = False      # the prompt ends inside a reasoning block (no close added)
     grammar: OutputGrammar | None = None
     new_parser: Callable[[], tuple[OutputParser, list]] | None = None   # (parser, initial) for another choice
+    marks: tuple[int, ...] = ()        # token positions where the prefix cache should keep a snapshot
 
     def parsers(self, n: int) -> list[tuple[OutputParser, list]]:
         """(parser, initial events) for each of ``n`` choices."""
@@ -233,7 +254,7 @@ class Service:
     def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice: str = "auto",
                     tool_name: str | None = None, thinking: bool | None = None,
                     template_kwargs: dict | None = None, prefill: str = "", output: str | None = None,
-                    parallel_calls: bool = True) -> ChatPrompt:
+                    parallel_calls: bool = True, marks: Sequence[str] = ()) -> ChatPrompt:
         """Render ``messages`` (HF form) with the chat template.
 
         tool_choice: "auto", "none" (tools left out of the prompt, no parsing), "required" or
@@ -242,6 +263,8 @@ class Service:
         templates' ``enable_thinking``. ``prefill``: assistant text the answer continues (not
         repeated in the output). ``output``: the grammar of the answer (``zoo.serving.structured``);
         ``parallel_calls`` False: a forced call is the only one (the grammar ends after it).
+        ``marks``: texts of the messages (in order) after which the prefix cache should keep a
+        snapshot (Anthropic ``cache_control``); each becomes the token position where it ends.
 
         The output grammar: a forced call follows the tools' grammar; else ``output`` if given, else,
         when every tool is ``strict``, each call the model opens. It applies after the reasoning
@@ -290,8 +313,9 @@ class Service:
             trigger = tuple(self.tokenizer.encode(CALL_OPEN))
             grammar = OutputGrammar(opening, wait=wait + (trigger,), rearm=trigger)
         parser, initial = new_parser()
-        return ChatPrompt(self.tokenizer.encode(text + close + prefill + forced), parser, initial,
-                          opens_reasoning=opens, grammar=grammar, new_parser=new_parser)
+        ids, ends = self.tokenizer.encode_with_ends(text + close + prefill + forced)
+        return ChatPrompt(ids, parser, initial, opens_reasoning=opens, grammar=grammar, new_parser=new_parser,
+                          marks=_token_marks(text, ends, marks))
 
     # -- generation -------------------------------------------------------------------------------
     async def start(self, ids: list[int], **kwargs) -> Job:
@@ -302,14 +326,14 @@ class Service:
                             top_k: int, seed: int | None, thinking_budget: int | None = None,
                             thinking_opened: bool = False, logprobs: int | None = None,
                             prompt_logprobs: int | None = None, n: int = 1,
-                            grammar: OutputGrammar | None = None) -> list[Job]:
+                            grammar: OutputGrammar | None = None, cache_marks: Sequence[int] = ()) -> list[Job]:
         """Submit a request and wait until it is admitted (429 / 503 from the queue; 400 if the
         engine can never fit it). ``thinking_budget``: reasoning tokens after which ``</think>`` is
         forced (``thinking_opened``: the prompt ends inside ``<think>``). ``logprobs`` /
         ``prompt_logprobs``: alternatives per generated / prompt token (None: no logprobs);
         ``max_tokens`` 0 (prompt logprobs only) needs ``prompt_logprobs``. ``n``: choices, the prompt
         prefilled once (a job each); ``grammar``: the output's (a matcher per choice, compiled here
-        in a worker thread)."""
+        in a worker thread); ``cache_marks``: prompt positions worth a prefix-cache snapshot."""
         if len(ids) >= self.context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
@@ -328,7 +352,7 @@ class Service:
                                           top_k=top_k, seed=random.getrandbits(31) if seed is None else seed,
                                           thinking_budget=thinking_budget, thinking_opened=thinking_opened,
                                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
-                                          constraints=constraints)
+                                          constraints=constraints, cache_marks=tuple(cache_marks))
         try:
             await asyncio.gather(*(job.admitted() for job in jobs))
         except BaseException:
@@ -385,7 +409,10 @@ class Service:
 
     @staticmethod
     def _finish(job: Job, decoder: TextDecoder, tool_calls: bool) -> Finish:
-        finish = Finish("stop", len(job.req.prompt), job.received, tool_calls=tool_calls)
+        req = job.req
+        cached = int(req.stats.get("cached_tokens", 0))
+        written = max(0, max(req.cache_marks, default=0) - cached)
+        finish = Finish("stop", len(req.prompt), job.received, cached, written, tool_calls=tool_calls)
         if decoder.stopped is not None:
             return dataclasses.replace(finish, stop_sequence=decoder.stopped)
         if job.error or job.finish_reason == "error":

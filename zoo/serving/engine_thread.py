@@ -172,7 +172,7 @@ class EngineThread:
     def submit_choices(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
                        top_k: int, seed: int, thinking_budget: int | None = None, thinking_opened: bool = False,
                        logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
-                       constraints=None) -> list[Job]:
+                       constraints=None, cache_marks: tuple = ()) -> list[Job]:
         """``submit`` with ``n`` choices of one prompt (prefilled once; ``Generator.make_request``),
         a job each; ``constraints``: a ``Constraint`` per choice."""
         if not self.alive:
@@ -183,7 +183,8 @@ class EngineThread:
         first = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                             top_p=top_p, top_k=top_k, seed=seed, thinking_budget=thinking_budget,
                                             thinking_opened=thinking_opened, logprobs=logprobs,
-                                            prompt_logprobs=prompt_logprobs, n=n, constraints=constraints)
+                                            prompt_logprobs=prompt_logprobs, n=n, constraints=constraints,
+                                            cache_marks=cache_marks)
         jobs = []
         for req in [first] + first.forks:
             job = Job(self, asyncio.get_running_loop())

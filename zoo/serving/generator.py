@@ -60,15 +60,17 @@ from zoo.serving import speculative
 from zoo.serving.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
 from zoo.serving.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token_logprobs, top_bucket
 from zoo.serving.masked_step import MaskedPrograms, pick_next
+from zoo.serving.prefix_cache import PrefixCache, Snapshot, split_leaves, token_axis, token_strides
 from zoo.serving.sampling import row_keys, sample
 from zoo.serving.thinking import ThinkingBudget
 from zoo.serving.token_mask import apply_token_mask
-from zoo.sharding.cache_axes import cache_shardings, shard_cache
+from zoo.sharding.cache_axes import cache_shardings, map_with_axes, shard_cache
 from zoo.sharding.mesh import on_mesh
 
 PREFILL_CHUNK = 1024
 PREFILL_MIN = 16
 CACHE_BUCKET = 256
+PREFIX_BLOCK = 256     # tokens per prefix-cache block (zoo.serving.prefix_cache)
 MIN_ROWS = 4          # the batch starts with this many rows (fewer compilations as streams join)
 
 
@@ -110,6 +112,9 @@ class Request:
     constraint: Constraint | None = None   # the output grammar (None: unconstrained)
     forks: list["Request"] = field(default_factory=list)   # the other choices of the same prompt (n > 1)
     choice: int = 0                        # this request's index among its prompt's choices
+    cache_marks: tuple = ()                # prompt positions worth a prefix-cache snapshot (cache_control)
+    raw: list[int] = field(default_factory=list)   # every token the device emitted for this row, uncut
+    prefix_hit: Snapshot | None = None     # the cached prefix this request starts from (set at admission)
 
     def result(self) -> Generation:
         return Generation(list(self.tokens), self.finish_reason or "length", dict(self.stats),
@@ -160,7 +165,13 @@ class Generator:
     tokens per step with the model's MTP head."""
 
     def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, memory_budget: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache: PrefixCache | float | None = None,
+                 prefix_cache_host_gb: float | None = None, prefix_block: int = PREFIX_BLOCK):
+        """``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
+        the model's identity), its device budget in GiB (0: no prefix caching), or None for the
+        default (a quarter of ``memory_budget``); ``prefix_cache_host_gb``: the host-RAM tier (None:
+        a tenth of host RAM); ``prefix_block``: tokens per cached block (a power of two dividing
+        ``CACHE_BUCKET``)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
@@ -197,8 +208,38 @@ class Generator:
         self.vocab = int(model.config.vocab_size)           # the logits' width
         self._mask_words = mask_words(self.vocab)
         self._executor = None                               # llguidance's thread pool, made on first use
+        self._init_prefix_cache(prefix_cache, prefix_cache_host_gb, prefix_block)
         self.prefills = 0                                   # prompts prefilled (a request's choices share one)
         self.steps = 0                                      # decode steps run
+
+    def _init_prefix_cache(self, prefix, host_gb, block) -> None:
+        if prefix is None or isinstance(prefix, (int, float)):
+            device = int(0.25 * self.memory_budget) if prefix is None else int(float(prefix) * 2**30)
+            host = (int(0.1 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if host_gb is None
+                    else int(float(host_gb) * 2**30))
+            prefix = PrefixCache(device, host, block) if device > 0 else None
+        self.prefix = prefix
+        if prefix is None:
+            return
+        if CACHE_BUCKET % prefix.block:
+            raise ValueError(f"prefix block {prefix.block} must divide the cache bucket {CACHE_BUCKET}")
+        shapes = jax.eval_shape(lambda: self._empty_impl(1, CACHE_BUCKET))["cache"]
+        self._strides = token_strides(shapes, CACHE_BUCKET)
+        bad = {path: st for path, st in self._strides.items() if prefix.block % st}
+        if bad:
+            raise ValueError(f"prefix block {prefix.block} is not a multiple of the tokens per entry of {bad}")
+        info = getattr(self.model, "load_info", {}) or {}
+        mesh = getattr(self.model, "mesh", None)
+        self._prefix_root = PrefixCache.root("|".join(map(str, (
+            id(self.model.module), info.get("path"), info.get("format"), info.get("quant"), info.get("dtype"),
+            self.model.config,
+            f"mtp={bool(self.k)}", f"block={prefix.block}", None if mesh is None else dict(mesh.shape)))))
+        mesh_of = lambda f: on_mesh(f, mesh)                 # noqa: E731
+        self._take_fn = mesh_of(jax.jit(self._take_block_impl))
+        self._rest_fn = mesh_of(jax.jit(self._take_rest_impl, static_argnames=("window",)))
+        self._put_fn = mesh_of(jax.jit(self._put_block_impl, donate_argnums=(0,)))
+        self._put_state_fn = mesh_of(jax.jit(self._put_state_impl, donate_argnums=(0,)))
+        self._row_fn = mesh_of(jax.jit(self._row_impl))
 
     # -- device programs ----------------------------------------------------------------------
     def _empty_impl(self, rows: int, length: int) -> dict:
@@ -214,17 +255,88 @@ class Generator:
                   "step": jnp.zeros((rows,), jnp.int32)}
         return {"cache": cache, "carry": carry, "params": params}
 
-    def _prefill_impl(self, state, ids, mask, next_ids, next_mask, cache, top_n: int | None = None):
-        """One prompt chunk [1, C]; with spec, also the MTP rows (h_t, x_{t+1}) of the chunk.
-        Returns (last logits [1, V], last hidden [1, D], cache), and with ``top_n`` the
-        ``token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t)."""
+    def _prefill_impl(self, state, ids, mask, h_prev, next_ids, next_mask, cache, top_n: int | None = None):
+        """One prompt piece ``ids`` [1, C], right-padded (``mask``: its real tokens first), written at
+        the cache's index; the index then advances by the real tokens only, so the row stays compact
+        (slot s holds position s) and the next piece overwrites the padding. With spec, also the MTP
+        rows of the piece, lagged by one: the row of token x_t pairs it with h_{t-1} (``h_prev``
+        [1, D] for the first, the previous piece's last hidden state) and sits in slot t, so the MTP
+        slots of a block depend on that block's tokens only (the prefix cache shares them).
+        Returns (logits [1, V] and hidden [1, D] at the last real token, cache), and with ``top_n``
+        the ``token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t)."""
         model = nnx.merge(self._graphdef, state)
+        count = mask.sum(axis=1, dtype=jnp.int32)
+        index, has_prev = cache.slots.index, cache.slots.pos > 0
         logits, hidden, cache = model(ids, mask, cache)
+        cache = cache.replace(slots=cache.slots.replace(index=index + count))
         if self.k:
-            _, _, cache = model.mtp_forward(hidden, next_ids, next_mask, cache)
+            mtp_index = cache.mtp.slots.index
+            rows = mask & jnp.concatenate([has_prev[:, None], mask[:, :-1]], axis=1)
+            h_in = jnp.concatenate([h_prev[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
+            _, _, cache = model.mtp_forward(h_in, ids, rows, cache)
+            cache = cache.replace(mtp=cache.mtp.replace(slots=cache.mtp.slots.replace(index=mtp_index + count)))
+        last = jnp.maximum(count - 1, 0)
+        logits_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         if top_n is not None:
-            return logits[:, -1], hidden[:, -1], shard_cache(cache), token_logprobs(logits, next_ids, top_n)
-        return logits[:, -1], hidden[:, -1], shard_cache(cache)
+            return logits_last, hidden_last, shard_cache(cache), token_logprobs(logits, next_ids, top_n)
+        return logits_last, hidden_last, shard_cache(cache)
+
+    # -- prefix cache: rows in and out (``zoo.serving.prefix_cache``) --------------------------------
+    @staticmethod
+    def _by_path(tree) -> dict:
+        out = {}
+        map_with_axes(lambda path, x, axes: out.setdefault(path, x), tree)
+        return out
+
+    def _take_block_impl(self, cache, start):
+        """The per-token leaves of slots ``start .. start+block-1`` of a 1-row ``cache`` (others None)."""
+        block = self.prefix.block
+
+        def take(path, x, axes):
+            a, st = token_axis(axes), self._strides.get(path)
+            return None if a is None else jax.lax.dynamic_slice_in_dim(x, start // st, block // st, a)
+        return map_with_axes(take, cache)
+
+    def _take_rest_impl(self, cache, hidden, start, window: bool):
+        """A snapshot's arrays from a 1-row ``cache`` (copies: the row is donated afterwards)."""
+        return {"window": self._take_block_impl(cache, start) if window else None,
+                "state": jax.tree.map(jnp.copy, split_leaves(cache, keep_token=False)),
+                "hidden": None if hidden is None else jnp.copy(hidden)}
+
+    def _put_block_impl(self, cache, block, start):
+        """``cache`` with ``block``'s per-token leaves written at slot ``start``."""
+        new = self._by_path(block)
+
+        def put(path, x, axes):
+            if token_axis(axes) is None:
+                return x
+            return jax.lax.dynamic_update_slice_in_dim(x, new[path].astype(x.dtype), start // self._strides[path],
+                                                       token_axis(axes))
+        return shard_cache(map_with_axes(put, cache))
+
+    def _put_state_impl(self, cache, state):
+        """``cache`` with its leaves that have no token axis taken from ``state``."""
+        new = self._by_path(state)
+        return shard_cache(map_with_axes(lambda path, x, axes: x if token_axis(axes) is not None
+                                         else new[path].astype(x.dtype), cache))
+
+    def _row_impl(self, state, batch, r):
+        """Row ``r`` of the batch as a 1-row cache holding exactly the tokens the row has consumed,
+        and h of the last of them ([1, D], spec only). With spec, the pending MTP rows but the last
+        are caught up first, so the MTP slots cover the same tokens as the model's."""
+        row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1, 0), batch)
+        cache = row["cache"]
+        if not self.k:
+            return shard_cache(cache), None
+        model = nnx.merge(self._graphdef, state)
+        h, tok, n = row["carry"]["h"], row["carry"]["tok"], row["carry"]["n"]
+        keep = n - 1
+        index = cache.mtp.slots.index
+        rows = jnp.arange(self.k + 1)[None, :] < keep[:, None]
+        _, _, cache = model.mtp_forward(h, tok, rows, cache)
+        cache = cache.replace(mtp=cache.mtp.replace(slots=cache.mtp.slots.replace(index=index + keep)))
+        return shard_cache(cache), jnp.take_along_axis(h, keep[:, None, None], axis=1)[:, 0]
 
     def _step_impl(self, state, batch, active, force, cap, top_n: int | None = None):
         """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
@@ -256,7 +368,7 @@ class Generator:
 
     def program(self, name: str, keep_unused: bool = False):
         """The jitted device program ``name`` ("decode": ``(state, batch, active, force, cap)``, the
-        batch donated; "prefill": ``(state, ids, mask, next_ids, next_mask, cache)``, the cache donated),
+        batch donated; "prefill": ``(state, ids, mask, h_prev, next_ids, next_mask, cache)``, the cache donated),
         not wrapped in the model's mesh: lower it under ``jax.set_mesh`` (``zoo.serving.aot``).
         ``keep_unused``: the weights a program does not read stay arguments (resident memory)."""
         impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (5,))}[name]
@@ -295,25 +407,46 @@ class Generator:
                 + sum(x.size * x.dtype.itemsize for x in rest))
         return self._cache_bytes[rows, length]
 
-    def _need(self, req: Request) -> int:
-        """Token slots a request occupies: its padded prompt, its new tokens, the verify overshoot."""
-        n = len(req.prompt)
+    def _plan(self, start: int, n: int, marks=()) -> list[tuple[int, int, int]]:
+        """The prefill pieces of prompt tokens ``start .. n-1``: ``(first, end, width)`` each, ending at
+        every multiple of ``prefill_chunk`` (snapshot points shared by other prompts), at each of
+        ``marks``, and at ``n``; ``width``: the piece's power-of-two bucket (right padding)."""
         chunk = self.prefill_chunk
-        padded = _round_up(n, chunk) if n > chunk else _bucket(n)
-        return padded + req.max_new_tokens + self.k + 1
+        ends = sorted(set(range(_round_up(start + 1, chunk), n, chunk)) | {m for m in marks if start < m < n} | {n})
+        pieces, a = [], start
+        for e in ends:
+            pieces.append((a, e, chunk if e - a == chunk else _bucket(e - a)))
+            a = e
+        return pieces
+
+    def _need(self, req: Request, start: int = 0) -> int:
+        """Token slots a request occupies: the widest write of its prefill pieces (from a cached
+        prefix of ``start`` tokens), or its prompt, new tokens and the verify overshoot."""
+        n = len(req.prompt)
+        written = max(a + w for a, _, w in self._plan(start, n, req.cache_marks))
+        return max(written, n + req.max_new_tokens + self.k + 1)
+
+    def _lookup(self, req: Request) -> Snapshot | None:
+        """The longest cached prefix ``req`` may start from (at least one prompt token stays to
+        prefill: its logits give the first token); none when it asks for the prompt's logprobs."""
+        if self.prefix is None or req.prompt_logprobs is not None or len(req.prompt) < 2:
+            return None
+        return self.prefix.lookup(self._prefix_root, req.prompt, len(req.prompt) - 1)
 
     def _try_admit(self, req: Request) -> bool:
         """Give ``req`` (and its forks) rows, growing the batch if needed and allowed, and prefill it;
-        False if it must wait for rows to free."""
+        False if it must wait for rows to free. The prefix cache's device tier gives way first."""
         group = [req] + req.forks
         if len(group) > self.max_batch:
             raise MemoryError(f"{len(group)} choices need {len(group)} batch rows; the engine has at most "
                               f"{self.max_batch}")
+        hit = self._lookup(req)
         free = sum(r is None for r in self._rows)
         rows = self._B
         while free + rows - self._B < len(group) and rows < self.max_batch:
             rows = min(max(MIN_ROWS, 2 * rows), self.max_batch)
-        length = max(self._L, _round_up(self._need(req), CACHE_BUCKET))
+        need = max(self._need(req), self._need(req, hit.length) if hit is not None else 0)
+        length = max(self._L, _round_up(need, CACHE_BUCKET))
         if free + rows - self._B < len(group):
             return False
         if self.cache_bytes(rows, length) > self.memory_budget:
@@ -321,11 +454,16 @@ class Generator:
                 return False
             raise MemoryError(f"request needs {self.cache_bytes(len(group), length)} bytes of cache for "
                               f"{length} slots; the budget is {self.memory_budget}")
+        if self.prefix is not None:                  # the batch first: cached prefixes move to host RAM
+            self.prefix.fit_device(self.memory_budget - self.cache_bytes(rows, length))
+            if hit is not None and not self.prefix.holds(hit):
+                hit = None
         if (rows, length) != (self._B, self._L):
             empty = self._empty_fn(rows, length)
             self._batch = empty if self._batch is None else self._grow_fn(self._batch, empty)
             self._rows += [None] * (rows - self._B)
             self._B, self._L = rows, length
+        req.prefix_hit = hit
         at = []
         for member in group:
             at.append(self._rows.index(None))
@@ -335,42 +473,83 @@ class Generator:
         self._prefill_into(group, at)
         return True
 
+    def _restore(self, snap: Snapshot, cache):
+        """A fresh 1-row ``cache`` holding the snapshot's prefix; returns (cache, h_{N-1} [1, D])."""
+        b = self.prefix.block
+        for i, key in enumerate(snap.blocks):
+            cache = self._put_fn(cache, self.prefix.block_arrays(key), jnp.int32(i * b))
+        arrays = snap.arrays
+        if arrays["window"] is not None:
+            cache = self._put_fn(cache, arrays["window"], jnp.int32(len(snap.blocks) * b))
+        cache = self._put_state_fn(cache, arrays["state"])
+        return cache, arrays["hidden"]
+
+    def _snapshot(self, tokens: list[int], row) -> None:
+        """Cache the state of a 1-row cache after ``tokens`` (``row()`` gives (cache, hidden); only
+        called when something is missing from the cache)."""
+        got = []
+
+        def cache_row():
+            if not got:
+                got.append(row())
+            return got[0]
+
+        self.prefix.store(self._prefix_root, tokens,
+                          lambda start: self._take_fn(cache_row()[0], jnp.int32(start)),
+                          lambda start: self._rest_fn(cache_row()[0], cache_row()[1], jnp.int32(start or 0),
+                                                      window=start is not None))
+        self.prefix.fit_device(self.memory_budget - self.cache_bytes(self._B, self._L))
+
     def _prefill_into(self, group: list[Request], at: list[int]) -> None:
-        """Prefill the shared prompt of ``group`` once; each member samples its first token and gets
-        a copy of the row at its index in ``at``."""
+        """Prefill the shared prompt of ``group`` once (from its cached prefix, if any, then in pieces
+        that end at snapshot points, each cached); each member samples its first token and gets a
+        copy of the row at its index in ``at``."""
         req = group[0]
         self.prefills += 1
         t0 = time.perf_counter()
         n = len(req.prompt)
-        chunk = self.prefill_chunk
-        total = _round_up(n, chunk) if n > chunk else _bucket(n)
-        ids = np.zeros((1, total + 1), np.int32)
-        mask = np.zeros((1, total + 1), bool)
-        ids[0, total - n:total], mask[0, total - n:total] = req.prompt, True
         row = self._empty_fn(1, self._L)
         cache = row["cache"]
+        h_prev = jnp.zeros((1, self.model.config.hidden_size), self.model.module.dtype)
+        snap = req.prefix_hit
+        start = 0 if snap is None else snap.length
+        if snap is not None:
+            cache, hidden = self._restore(snap, cache)
+            if hidden is not None:
+                h_prev = hidden
+        if self.prefix is not None and req.prompt_logprobs is None and n >= 2:
+            self.prefix.stats.hits += snap is not None
+            self.prefix.stats.hit_tokens += start
+            self.prefix.stats.miss_tokens += n - start
         prompt_top = top_bucket([] if req.prompt_logprobs is None else [req.prompt_logprobs])
-        scored = []                                   # per chunk: logprobs of the token after each position
-        for c in range(0, total, min(total, chunk)):
-            sl = slice(c, c + min(total, chunk))
-            nxt = slice(sl.start + 1, sl.stop + 1)
-            out = self._prefill_fn(self._state, ids[:, sl], mask[:, sl], ids[:, nxt], mask[:, sl] & mask[:, nxt],
-                                   cache, top_n=prompt_top)
-            logits, h_last, cache = out[:3]
+        scored = []                                   # per piece: logprobs of the token after each position
+        prompt = np.asarray(req.prompt, np.int32)
+        for a, e, w in self._plan(start, n, req.cache_marks):
+            ids = np.zeros((1, w), np.int32)
+            mask = np.zeros((1, w), bool)
+            nxt = np.zeros((1, w), np.int32)
+            ids[0, :e - a], mask[0, :e - a] = prompt[a:e], True
+            nxt[0, :min(e, n - 1) - a] = prompt[a + 1:e + 1]
+            nxt_mask = mask & (np.arange(a, a + w) < n - 1)[None]
+            out = self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, top_n=prompt_top)
+            logits, h_prev, cache = out[:3]
             if prompt_top is not None:
-                scored.append(to_numpy(out[3]))
+                scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
+            if self.prefix is not None:
+                self._snapshot(req.prompt[:e], lambda c=cache, h=h_prev: (c, h if self.k else None))
         prompt_lps = None
         if prompt_top is not None:
-            at_pos = {key: np.concatenate([s[key][0] for s in scored])[total - n:total - 1] for key in scored[0]}
+            at_pos = {key: np.concatenate([s[key] for s in scored])[:n - 1] for key in scored[0]}
             prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, req.prompt_logprobs)
         for member, r in zip(group, at):
             member.prompt_token_logprobs = prompt_lps
-            member.stats.update(prompt_tokens=n, drafted=0, accepted=0, accepted_by_position=[0] * self.k, steps=0)
+            member.stats.update(prompt_tokens=n, cached_tokens=start, drafted=0, accepted=0,
+                                accepted_by_position=[0] * self.k, steps=0)
             if member.max_new_tokens == 0:            # prompt logprobs only: no row kept
                 member.stats["time_to_first_token"] = time.perf_counter() - t0
                 self._finish(member, "length")
                 continue
-            self._start_row(member, r, logits, h_last, cache)
+            self._start_row(member, r, logits, h_prev, cache)
             member.stats["time_to_first_token"] = time.perf_counter() - t0
 
     def _start_row(self, req: Request, r: int, logits, h_last, cache) -> None:
@@ -396,6 +575,7 @@ class Generator:
         else:
             carry = {"tok": first}
         self._batch = self._insert_fn(self._batch, {"cache": cache, "carry": carry, "params": params}, r)
+        req.raw.append(int(first[0]))
         self._deliver(req, [int(first[0])], first_lp)
 
     # -- stepping -----------------------------------------------------------------------------
@@ -480,6 +660,7 @@ class Generator:
             if req.logprobs is not None:
                 recs = records(tokens[r, :n], {key: v[r] for key, v in scored.items()}, req.logprobs)
             req.stats["steps"] += 1
+            req.raw.extend(tokens[r, :n].tolist())
             if force[r] >= 0:
                 req.forcing.popleft()
                 req.stats["forced"] = req.stats.get("forced", 0) + 1
@@ -583,7 +764,11 @@ class Generator:
         if req.finish_reason is None:
             req.finish_reason = reason
         if req in self._rows:
-            self._rows[self._rows.index(req)] = None
+            r = self._rows.index(req)
+            if self.prefix is not None and req.raw:
+                consumed = (req.prompt + req.raw)[:len(req.prompt) + len(req.raw) - 1]   # the last is pending
+                self._snapshot(consumed, lambda: self._row_fn(self._state, self._batch, jnp.int32(r)))
+            self._rows[r] = None
         now = time.perf_counter()
         req.stats.update(generated_tokens=len(req.tokens), seconds=now - req.stats.get("submitted", now))
         first = not req.done.is_set()
@@ -596,14 +781,16 @@ class Generator:
                      top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None,
                      thinking_budget: int | None = None, thinking_opened: bool = False,
                      logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
-                     grammar: OutputGrammar | None = None, constraints: Sequence[Constraint] | None = None) -> Request:
+                     grammar: OutputGrammar | None = None, constraints: Sequence[Constraint] | None = None,
+                     cache_marks: Sequence[int] = ()) -> Request:
         """``thinking_budget``: reasoning tokens after which ``</think>`` is forced (see
         ``zoo.serving.thinking``); ``thinking_opened``: the prompt ends inside ``<think>``.
         ``logprobs`` / ``prompt_logprobs``: report log-probabilities of the generated / prompt tokens
         with that many alternatives each (None: not computed; see the module doc). ``n``: choices of
         the prompt (the first is returned, the others in its ``forks``; choice i samples with
         ``fork_seed(seed, i)``). ``grammar``: constrain the output (a ``Constraint`` per choice is
-        built from it), or ``constraints``: ready ones, one per choice."""
+        built from it), or ``constraints``: ready ones, one per choice. ``cache_marks``: prompt
+        positions where the prefix cache should keep a snapshot (the prompt's end always gets one)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if constraints is None and grammar is not None:
@@ -621,7 +808,8 @@ class Generator:
             group.append(Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
                                  int(top_k), fork_seed(int(seed), i), ids, strings, on_tokens, on_finish, on_admit,
                                  thinking, logprobs=logprobs, prompt_logprobs=prompt_logprobs, choice=i,
-                                 constraint=None if constraints is None else constraints[i]))
+                                 constraint=None if constraints is None else constraints[i],
+                                 cache_marks=tuple(sorted(int(m) for m in cache_marks))))
         group[0].forks = group[1:]
         return group[0]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
           "/v1/messages/count_tokens")
@@ -30,11 +31,45 @@ class Metrics:
         self.accepted = Counter("zoo_spec_accepted_tokens", "Speculative tokens accepted (draft_n_accepted)",
                                 registry=r)
 
+    def watch_prefix_cache(self, prefix) -> None:
+        """Export a ``PrefixCache``'s counters and tier sizes (read at each scrape)."""
+        self.registry.register(_PrefixCollector(prefix))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def count_http(self, path: str, status: int) -> None:
         self.http_requests.labels(path if path in ROUTES else "other", str(status)).inc()
+
+
+class _PrefixCollector:
+    """The prefix cache's numbers as metrics (``zoo.serving.prefix_cache.PrefixStats``)."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        st = self.prefix.stats
+        for name, doc, value in (
+                ("zoo_prefix_cache_hit_tokens", "Prompt tokens restored from the prefix cache", st.hit_tokens),
+                ("zoo_prefix_cache_miss_tokens", "Prompt tokens prefilled by requests that looked up the cache",
+                 st.miss_tokens),
+                ("zoo_prefix_cache_hits", "Prefills that started from a cached prefix", st.hits),
+                ("zoo_prefix_cache_demotions", "Cache entries moved from the device to host RAM", st.demoted),
+                ("zoo_prefix_cache_evictions", "Cache entries dropped", st.evicted)):
+            yield CounterMetricFamily(name, doc, value=value)
+        tiers = GaugeMetricFamily("zoo_prefix_cache_bytes", "Bytes held by the prefix cache per tier "
+                                  "(device: per chip)", labels=["tier"])
+        tiers.add_metric(["device"], self.prefix.device_used)
+        tiers.add_metric(["host"], self.prefix.host_used)
+        yield tiers
+        entries = GaugeMetricFamily("zoo_prefix_cache_entries", "Prefix cache entries by kind", labels=["kind"])
+        for kind, n in self.prefix.entries.items():
+            entries.add_metric([kind], n)
+        yield entries
 
 
 class CountRequests:

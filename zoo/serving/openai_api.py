@@ -86,6 +86,7 @@ class Sampling(_Body):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    prompt_cache_key: str | None = None            # accepted; the prefix cache is keyed by the prompt's tokens
 
     def output_grammar(self) -> str | None:
         """The grammar the output must follow (400 for a bad or doubled constraint)."""
@@ -177,11 +178,6 @@ def _tool_choice(body: ChatRequest) -> tuple[str, str | None]:
     if choice == "required" and not names:
         raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
     return choice, None
-
-
-def _usage(finish: Finish) -> dict:
-    return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-            "total_tokens": finish.prompt_tokens + finish.completion_tokens}
 
 
 def _finish_reason(finish: Finish) -> str:
@@ -279,7 +275,9 @@ def _usage_of(finishes: list[Finish], prompts: int = 1) -> dict:
     per = len(finishes) // prompts
     prompt_tokens = sum(f.prompt_tokens for f in finishes[::per])
     completion = sum(f.completion_tokens for f in finishes)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = sum(f.cached_tokens for f in finishes[::per])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _chat_chunks(streams, jobs, head: dict, include_usage: bool, render_logprobs=None):

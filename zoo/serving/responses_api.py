@@ -238,7 +238,8 @@ class OutputBuilder:
         reasoning_tokens = len(self.count_tokens(self._reasoning)) if self._reasoning else 0
         r.update(status="incomplete" if cut else "completed", completed_at=int(time.time()),
                  incomplete_details={"reason": "max_output_tokens"} if cut else None,
-                 usage={"input_tokens": finish.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                 usage={"input_tokens": finish.prompt_tokens,
+                        "input_tokens_details": {"cached_tokens": finish.cached_tokens},
                         "output_tokens": finish.completion_tokens,
                         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                         "total_tokens": finish.prompt_tokens + finish.completion_tokens})

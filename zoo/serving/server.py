@@ -59,7 +59,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
                prefill_chunk: int = PREFILL_CHUNK,
                max_queue: int = 64, queue_timeout_s: float = 60.0, keepalive_s: float = 15.0,
                model_name: str | None = None, tool_format: str | None = "auto", default_max_tokens: int = 4096,
-               memory_budget: int | None = None, thinking_budget: int | None = None) -> FastAPI:
+               memory_budget: int | None = None, thinking_budget: int | None = None,
+               prefix_cache_gb: float | None = None, prefix_cache_host_gb: float | None = None) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
@@ -70,7 +71,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     (tool calls are not parsed) or "auto" (from the chat template, else ``model.config.arch``).
     thinking_budget: reasoning tokens after which "</think>" is forced into a chat request's output
     (None: unlimited); an Anthropic ``thinking.budget_tokens`` or OpenAI ``thinking_budget`` field
-    of a request takes its place.
+    of a request takes its place. prefix_cache_gb / prefix_cache_host_gb: the prefix cache's device
+    and host-RAM tiers in GiB (None: the defaults of ``Generator``; ``prefix_cache_gb`` 0: off).
     """
     if thinking_budget is not None and thinking_budget < 1:
         raise ValueError(f"thinking_budget must be >= 1, got {thinking_budget}")
@@ -81,8 +83,11 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     elif tool_format is not None and tool_format not in PARSERS:
         raise ValueError(f"unknown tool format {tool_format!r}; use one of {sorted(PARSERS)}, 'auto' or None")
     generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget,
-                          prefill_chunk=prefill_chunk)
+                          prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
+                          prefix_cache_host_gb=prefix_cache_host_gb)
     metrics = Metrics()
+    if generator.prefix is not None:
+        metrics.watch_prefix_cache(generator.prefix)
     engine = EngineThread(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)

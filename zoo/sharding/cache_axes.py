@@ -53,7 +53,9 @@ def map_with_axes(fn: Callable[[str, Any, Axes], Any], cache, path: str = "") ->
         out = {}
         for field in dataclasses.fields(cache):
             value, where = getattr(cache, field.name), f"{path}.{field.name}" if path else field.name
-            if field.name in cache.AXES:
+            if field.name in cache.AXES and value is None:   # a part of the cache (``split_leaves``)
+                out[field.name] = None
+            elif field.name in cache.AXES:
                 axes = cache.AXES[field.name]
                 if len(axes) != len(value.shape):
                     raise ValueError(f"cache array {where} has shape {tuple(value.shape)}; "

@@ -109,6 +109,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """``encode`` and, per token, the character offset where its text ends."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, [end for _, end in enc.offsets]
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

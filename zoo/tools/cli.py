@@ -1,6 +1,6 @@
 """The ``zoo plan`` and ``zoo audit`` subcommands (registered on ``zoo.cli``'s parser).
 
-    zoo plan NAME --quant RECIPE [--devices N] [--layout tp|ep] [--budget-gb X] [--json]
+    zoo plan NAME --quant RECIPE [--devices N] [--layout tp|ep] [--budget-gb X] [--prefix-cache] [--json]
     zoo plan FILE.gguf [--quant RECIPE] [--devices N] [--budget-gb X] [--json]   header only
     (FILE.gguf and the audit's files may be remote: hf://OWNER/REPO[@REV]/PATH.gguf or https://...,
     read with HTTP range requests: see zoo.sources.remote)
@@ -29,10 +29,18 @@ def _plan(args) -> int:
     else:
         result = plan(args.model, quant=args.quant, devices=args.devices, layout=args.layout)
     budget = None if args.budget_gb is None else int(args.budget_gb * 1e9)
+    prefix = None
+    if args.prefix_cache:
+        if args.model.endswith(".gguf"):
+            raise ValueError("zoo plan --prefix-cache takes a registry name (the cache's shapes come from its preset)")
+        from zoo.tools.prefix_plan import prefix_cache_plan, summary
+        prefix = prefix_cache_plan(args.model, args.devices, args.layout)
     if args.json:
-        print(json.dumps(result.to_dict(budget), indent=2))
+        print(json.dumps({**result.to_dict(budget), **({"prefix_cache": prefix} if prefix else {})}, indent=2))
     else:
         print(result.summary())
+        if prefix:
+            print(summary(prefix))
         if budget is not None:
             print(f"  fits {args.budget_gb:g} GB per device: {'yes' if result.fits(budget) else 'no'}")
     return 0 if budget is None or result.fits(budget) else 1
@@ -80,6 +88,8 @@ def add_commands(sub) -> None:
     p.add_argument("--layout", default="tp", choices=["tp", "ep"], help="mesh layout of the per-device bytes")
     p.add_argument("--budget-gb", type=float, default=None, help="per-device budget for the weights (1 GB = 1e9 B)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="also the bytes per chip of a prefix-cache block and snapshot (zoo.tools.prefix_plan)")
     p.set_defaults(fn=_plan)
 
     a = sub.add_parser("audit", help="weight-space error of a quantized GGUF against a bf16/f32 GGUF")

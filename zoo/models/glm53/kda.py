@@ -12,7 +12,8 @@ x [B, T, D] (padding rows zeroed) ->
   y = o_proj(w * rmsnorm(o) * sigmoid(g_b(g_a(x))))         gated norm per head, in f32      [B, T, D]
 
 Cache (one per layer): ``KDACache(conv=KDAConv(q, k, v: [B, K-1, H*dk]), state [B, H, dk, dk] f32)``.
-Padding positions get no decay and no update (g = 0, beta = 0), so they leave the state untouched.
+Padding positions get no decay and no update (g = 0, beta = 0), so they leave the state untouched,
+and the conv states end at the last real token (padding after the tokens: a right-padded chunk).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class KimiDeltaAttention(nnx.Module):
         for name in PROJECTIONS:
             proj, weight = getattr(self, f"{name}_proj"), getattr(self, f"{name}_conv")
             projected = proj(x)
-            y, conv_states[name] = causal_depthwise_conv(projected, getattr(cache.conv, name), weight[...])
+            y, conv_states[name] = causal_depthwise_conv(projected, getattr(cache.conv, name), weight[...], mask)
             if keep_steps:
                 conv_states[name] = conv_state_steps(getattr(cache.conv, name), projected)
             qkv[name] = jax.nn.silu(y.astype(jnp.float32)).astype(x.dtype).reshape(heads)

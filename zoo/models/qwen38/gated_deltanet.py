@@ -8,7 +8,8 @@ x [B, T, D] ->
   o = delta_rule(q, k, v, g, beta)  ->  gated_norm(o, z)  ->  out_proj     [B, T, D]
 
 Cache (one per layer): ``DeltaNetCache(conv [B, K-1, conv_dim], state [B, nv, dk, dv] f32)``.
-Padding positions (``mask == 0``) enter as zeros, which leaves both states untouched.
+Padding positions (``mask == 0``) get no decay and no update (g = 0, beta = 0) and the conv state
+ends at the last real token, so padding after a row's tokens leaves both states as they made them.
 With ``keep_steps`` (speculative verify) the returned cache holds the states after *every* token,
 ``DeltaNetCache(conv [B, T, K-1, conv_dim], state [B, T, nv, dk, dv])``; ``select_step`` picks one per row.
 """
@@ -65,16 +66,17 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = x.shape
         x = jnp.where(mask[..., None], x, 0).astype(x.dtype)
         mixed = self.in_proj_qkv(x)
-        qkv, conv_state = causal_depthwise_conv(mixed, cache.conv, self.conv_weight[...])
+        qkv, conv_state = causal_depthwise_conv(mixed, cache.conv, self.conv_weight[...], mask)
         qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
         q, k, v = jnp.split(qkv, [self.key_dim, 2 * self.key_dim], axis=-1)
         rep = self.nv // self.nk
         q = jnp.repeat(q.reshape(b, t, self.nk, self.dk), rep, axis=2)
         k = jnp.repeat(k.reshape(b, t, self.nk, self.dk), rep, axis=2)
         v = v.reshape(b, t, self.nv, self.dv)
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
+        beta = jnp.where(mask[..., None], jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32)), 0.0)
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...])
+        g = jnp.where(mask[..., None], g, 0.0)                  # padding: no decay, no update
         q = linear_attention.l2_normalize(q) * (self.dk ** -0.5)
         k = linear_attention.l2_normalize(k)
         if keep_steps:

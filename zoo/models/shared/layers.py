@@ -146,19 +146,28 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
 
 
-def causal_depthwise_conv(x: jax.Array, state: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+def causal_depthwise_conv(x: jax.Array, state: jax.Array, weight: jax.Array, mask: jax.Array | None = None
+                          ) -> tuple[jax.Array, jax.Array]:
     """Causal depthwise conv along time with a carried state.
 
     x ``[B, T, C]``; state ``[B, K-1, C]`` (the previous K-1 inputs, zeros at the start);
     weight ``[K, C]`` (tap j multiplies input t-(K-1)+j). Returns (y ``[B, T, C]``, new state
-    ``[B, K-1, C]``: the last K-1 inputs).
+    ``[B, K-1, C]``: the K-1 inputs up to the last real token). ``mask [B, T]`` (True = token): the
+    state ends at each row's last real token, so padding *after* the tokens (a right-padded prefill
+    chunk, an inactive decode row) leaves it as those tokens made it; without a mask, at the end.
+    Padding must not sit between real tokens of a row (it would enter the window of later tokens).
     """
     k = weight.shape[0]
     t = x.shape[1]
     full = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     w = weight.astype(jnp.float32)
     acc = sum(full[:, j:j + t, :].astype(jnp.float32) * w[j] for j in range(k))
-    return acc.astype(x.dtype), full[:, t:, :]
+    if mask is None:
+        return acc.astype(x.dtype), full[:, t:, :]
+    mask = mask.astype(bool)
+    end = jnp.where(mask.any(axis=1), t - jnp.argmax(mask[:, ::-1], axis=1), 0)          # last token + 1
+    new_state = jax.vmap(lambda f, e: jax.lax.dynamic_slice_in_dim(f, e, k - 1, 0))(full, end)
+    return acc.astype(x.dtype), new_state
 
 
 def conv_state_steps(state: jax.Array, x: jax.Array) -> jax.Array:
