@@ -1,7 +1,8 @@
 """Prefix caching on an agent-like conversation: prefilled tokens and time to first token per turn,
 with and without the cache, in one run.
 
-    PYTHONPATH=. .venv/bin/python bench/prefix_cache.py [--model qwen38-tiny] [--turns 8] [--spec 0]
+    JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python bench/prefix_cache.py [--model qwen38-tiny] [--turns 8] \
+        [--first 4000] [--new 200] [--spec 0]
 
 The conversation is what an agent client sends: a system prompt with ~40 tool definitions (a first
 prompt of about ``--first`` tokens), then per turn the whole conversation again with the model's
@@ -43,24 +44,42 @@ def tools(rng: np.random.Generator, n: int) -> list[dict]:
     return out
 
 
-def conversation_prompts(tok, first: int, new: int, seed: int = 0):
-    """(system + tools, a function: messages -> prompt ids), sized so the first prompt has ~first tokens."""
+def conversation(tok, first: int, new: int, seed: int = 0):
+    """(render: messages -> prompt ids, user_text: () -> ~``new`` tokens of text), with a system prompt
+    carrying tool definitions (as JSON in its text, and as the template's ``tools`` where the template
+    renders them), enough of them that the first prompt has about ``first`` tokens."""
     rng = np.random.default_rng(seed)
-    system = "You are a coding agent. " + text(rng, 60)
-    n_tools = 1
-    while len(tok.encode(tok.apply_chat_template([{"role": "system", "content": system}],
-                                                 tools=tools(np.random.default_rng(seed), n_tools)))) < first:
-        n_tools += 4
-    tool_defs = tools(np.random.default_rng(seed), n_tools)
+    intro = "You are a coding agent. " + text(rng, 60)
 
-    def render(messages):
-        chat = tok.apply_chat_template([{"role": "system", "content": system}] + messages, tools=tool_defs,
+    def render_with(n_tools, messages):
+        defs = tools(np.random.default_rng(seed), n_tools)
+        system = intro + "\n\n# Tools\n" + "\n".join(json.dumps(d) for d in defs)
+        chat = tok.apply_chat_template([{"role": "system", "content": system}] + messages, tools=defs,
                                        add_generation_prompt=True)
         return tok.encode(chat)
 
-    words_per_token = max(1, len(text(rng, 200).split()) // max(1, len(tok.encode(text(rng, 200)))))
-    return render, lambda: text(rng, max(1, new * words_per_token // 2)), json.dumps([t["function"]["name"]
-                                                                                       for t in tool_defs])
+    n_tools = 1
+    while len(render_with(n_tools, [])) < first:
+        n_tools += 1
+
+    tokens_per_word = len(tok.encode(text(rng, 200))) / 200
+    return (lambda messages: render_with(n_tools, messages)), lambda: text(rng, max(1, int(new / tokens_per_word)))
+
+
+def warm(gen: Generator, longest: int, chunk: int, vocab: int) -> None:
+    """Compile what the timed turns run: the batch at its final length (it only grows), every
+    prefill piece width, the decode step, and with a cache its restore and snapshot programs."""
+    rng = np.random.default_rng(1)
+    gen.generate([rng.integers(3, vocab, longest).tolist()], max_new_tokens=1)
+    width = 16
+    while width <= chunk:
+        gen.generate([rng.integers(3, vocab, width).tolist()], max_new_tokens=2)
+        width *= 2
+    if gen.prefix is not None:
+        base = rng.integers(3, vocab, 300).tolist()
+        out = gen.generate([base], max_new_tokens=4)[0]
+        gen.generate([base + out.tokens + rng.integers(3, vocab, 40).tolist()], max_new_tokens=4)
+        gen.prefix.clear()
 
 
 def main() -> None:
@@ -78,10 +97,12 @@ def main() -> None:
     tok = model.tokenizer
     with_cache = Generator(model, spec_tokens=args.spec, prefill_chunk=args.chunk)
     without = Generator(model, spec_tokens=args.spec, prefill_chunk=args.chunk, prefix_cache=0)
-    render, user_text, _ = conversation_prompts(tok, args.first, args.new)
-    for gen in (with_cache, without):                         # compile every program shape first
-        gen.generate([render([{"role": "user", "content": user_text()}])[:600]], max_new_tokens=4)
-    with_cache.prefix.clear()
+    render, user_text = conversation(tok, args.first, args.new)
+    longest = args.first + args.turns * (args.new + args.answer + 64)
+    for name, gen in (("cache", with_cache), ("no cache", without)):
+        t0 = time.perf_counter()
+        warm(gen, longest, args.chunk, min(tok.vocab_size, model.config.vocab_size))
+        print(f"warmed the generator with {name} in {time.perf_counter() - t0:.0f} s", flush=True)
 
     messages = [{"role": "user", "content": user_text()}]
     rows, last_len = [], 0
@@ -99,6 +120,7 @@ def main() -> None:
                          prefilled=len(ids) - cached, prefilled_none=len(ids),
                          ttft=hit.stats["time_to_first_token"], ttft_none=miss.stats["time_to_first_token"]))
         last_len = len(ids)
+        print(f"turn {turn}: {rows[-1]}", flush=True)
         answer = tok.decode(hit.tokens)
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": f"Tool result: {user_text()}"}]

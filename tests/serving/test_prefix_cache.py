@@ -229,3 +229,18 @@ def test_store_and_lookup_keys():
     cache.host_budget = 500
     cache.fit_device(0)
     assert cache.lookup(root, toks, 38) is None and cache.host_used <= 500
+
+
+@pytest.mark.parametrize("which", MODELS)
+def test_the_planner_sizes_entries_as_the_cache_stores_them(models, which):
+    """``zoo.tools.prefix_plan`` (config only, what ``zoo plan --prefix-cache`` prints for the full-size
+    models) gives the bytes of the blocks and snapshots a generator with MTP actually stores."""
+    from zoo.tools.prefix_plan import prefix_cache_plan
+    gen = cached(models[which], 2)
+    gen.generate([words(95, 70)], max_new_tokens=4)
+    plan = prefix_cache_plan(which, devices=1, block=BLOCK, dtype="float32", mtp=True)
+    blocks = {e.nbytes for e in gen.prefix._blocks.values()}
+    whole = {s.entry.nbytes for s in gen.prefix._snaps.values() if s.partial == 0}
+    windowed = {s.entry.nbytes for s in gen.prefix._snaps.values() if s.partial}
+    assert blocks == {plan["block_bytes"]} and whole == {plan["snapshot"]}
+    assert windowed == {plan["snapshot_with_window"]}

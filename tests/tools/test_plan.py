@@ -126,6 +126,12 @@ def test_plan_cli(capsys):
     assert "glm53-q256-udmix.gguf / as stored on 2 device(s)" in capsys.readouterr().out
     assert main(["plan", "glm53-flash"]) == 2
     assert "--quant RECIPE is required" in capsys.readouterr().err
+    assert main(args + ["--prefix-cache", "--json"]) == 0
+    prefix = json.loads(capsys.readouterr().out)["prefix_cache"]
+    # GLM-5.3-Flash on 8 chips: the MLA latents split over the sequence; snapshots are the KDA states
+    assert 1000 < prefix["per_token"] < 4000 and 10 * 2**20 < prefix["snapshot"] < 40 * 2**20, prefix
+    assert main(["plan", "qwen38-27b", "--quant", "int8", "--prefix-cache"]) == 0
+    assert "prefix cache entries of qwen38-27b per chip" in capsys.readouterr().out
 
 
 def test_recipes_are_per_model():

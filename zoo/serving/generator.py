@@ -9,12 +9,20 @@ with the row axis ``[B, ...]``::
     params  per-row sampling parameters and PRNG state: temperature, top_k, top_p, seed, step
 
 A step is ONE compiled program for the whole model (``_plain_step`` / ``speculative.spec_step``);
-the cache is donated. A new request is prefilled alone (chunks of at most ``prefill_chunk`` tokens,
-left-padded to a power-of-two bucket: a few bounded compilations; ``zoo compile`` chooses the chunk
-a target's memory leaves room for) into a cache of the batch's
-length, then inserted into a free row. The batch grows (rows doubling from ``MIN_ROWS`` up to ``max_batch``,
+the cache is donated. A new request is prefilled alone into a cache of the batch's length, in pieces
+that end at every multiple of ``prefill_chunk`` tokens, at its ``cache_marks`` and at the prompt's
+end (``_plan``), split into power-of-two widths (the last right-padded to ``PREFILL_MIN``: a few
+bounded compilations; ``zoo compile`` chooses the chunk a target's memory leaves room for); the
+index advances by the real tokens only, so a row is compact (slot s holds position s). Then it is
+inserted into a free row. The batch grows (rows doubling from ``MIN_ROWS`` up to ``max_batch``,
 slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_budget`` allows;
 otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
+
+Prefix caching (``zoo.serving.prefix_cache``): a request starts from the longest cached prefix of its
+prompt with a state snapshot at its end (``_lookup``, ``_restore``) and prefills the rest; every
+piece end and every finished request leaves a snapshot (``_snapshot``; a finished row holds its
+prompt and all its tokens but the last, which was sampled and never fed). The cache's device tier is
+counted against ``memory_budget`` and gives way to the batch.
 
 Log-probabilities (``zoo.serving.logprobs``): a request with ``logprobs`` N gets a ``TokenLogprob``
 per generated token (its logprob and N alternatives) in ``Request.token_logprobs``, computed inside
@@ -60,11 +68,12 @@ from zoo.serving import speculative
 from zoo.serving.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
 from zoo.serving.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token_logprobs, top_bucket
 from zoo.serving.masked_step import MaskedPrograms, pick_next
-from zoo.serving.prefix_cache import PrefixCache, Snapshot, split_leaves, token_axis, token_strides
+from zoo.serving.prefix_cache import PrefixCache, Snapshot, token_strides
+from zoo.serving.prefix_rows import PrefixRows
 from zoo.serving.sampling import row_keys, sample
 from zoo.serving.thinking import ThinkingBudget
 from zoo.serving.token_mask import apply_token_mask
-from zoo.sharding.cache_axes import cache_shardings, map_with_axes, shard_cache
+from zoo.sharding.cache_axes import cache_shardings, shard_cache
 from zoo.sharding.mesh import on_mesh
 
 PREFILL_CHUNK = 1024
@@ -124,11 +133,6 @@ class Request:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _bucket(n: int) -> int:
-    """Power-of-two prefill bucket, at least PREFILL_MIN."""
-    return max(PREFILL_MIN, 1 << (n - 1).bit_length())
 
 
 def default_memory_budget() -> int:
@@ -224,22 +228,14 @@ class Generator:
         if CACHE_BUCKET % prefix.block:
             raise ValueError(f"prefix block {prefix.block} must divide the cache bucket {CACHE_BUCKET}")
         shapes = jax.eval_shape(lambda: self._empty_impl(1, CACHE_BUCKET))["cache"]
-        self._strides = token_strides(shapes, CACHE_BUCKET)
-        bad = {path: st for path, st in self._strides.items() if prefix.block % st}
-        if bad:
-            raise ValueError(f"prefix block {prefix.block} is not a multiple of the tokens per entry of {bad}")
+        self._rows_io = PrefixRows(self._graphdef, self.k, token_strides(shapes, CACHE_BUCKET), prefix.block,
+                                   getattr(self.model, "mesh", None))
         info = getattr(self.model, "load_info", {}) or {}
         mesh = getattr(self.model, "mesh", None)
         self._prefix_root = PrefixCache.root("|".join(map(str, (
             id(self.model.module), info.get("path"), info.get("format"), info.get("quant"), info.get("dtype"),
-            self.model.config,
-            f"mtp={bool(self.k)}", f"block={prefix.block}", None if mesh is None else dict(mesh.shape)))))
-        mesh_of = lambda f: on_mesh(f, mesh)                 # noqa: E731
-        self._take_fn = mesh_of(jax.jit(self._take_block_impl))
-        self._rest_fn = mesh_of(jax.jit(self._take_rest_impl, static_argnames=("window",)))
-        self._put_fn = mesh_of(jax.jit(self._put_block_impl, donate_argnums=(0,)))
-        self._put_state_fn = mesh_of(jax.jit(self._put_state_impl, donate_argnums=(0,)))
-        self._row_fn = mesh_of(jax.jit(self._row_impl))
+            self.model.config, f"mtp={bool(self.k)}", f"block={prefix.block}",
+            None if mesh is None else dict(mesh.shape)))))
 
     # -- device programs ----------------------------------------------------------------------
     def _empty_impl(self, rows: int, length: int) -> dict:
@@ -281,62 +277,6 @@ class Generator:
         if top_n is not None:
             return logits_last, hidden_last, shard_cache(cache), token_logprobs(logits, next_ids, top_n)
         return logits_last, hidden_last, shard_cache(cache)
-
-    # -- prefix cache: rows in and out (``zoo.serving.prefix_cache``) --------------------------------
-    @staticmethod
-    def _by_path(tree) -> dict:
-        out = {}
-        map_with_axes(lambda path, x, axes: out.setdefault(path, x), tree)
-        return out
-
-    def _take_block_impl(self, cache, start):
-        """The per-token leaves of slots ``start .. start+block-1`` of a 1-row ``cache`` (others None)."""
-        block = self.prefix.block
-
-        def take(path, x, axes):
-            a, st = token_axis(axes), self._strides.get(path)
-            return None if a is None else jax.lax.dynamic_slice_in_dim(x, start // st, block // st, a)
-        return map_with_axes(take, cache)
-
-    def _take_rest_impl(self, cache, hidden, start, window: bool):
-        """A snapshot's arrays from a 1-row ``cache`` (copies: the row is donated afterwards)."""
-        return {"window": self._take_block_impl(cache, start) if window else None,
-                "state": jax.tree.map(jnp.copy, split_leaves(cache, keep_token=False)),
-                "hidden": None if hidden is None else jnp.copy(hidden)}
-
-    def _put_block_impl(self, cache, block, start):
-        """``cache`` with ``block``'s per-token leaves written at slot ``start``."""
-        new = self._by_path(block)
-
-        def put(path, x, axes):
-            if token_axis(axes) is None:
-                return x
-            return jax.lax.dynamic_update_slice_in_dim(x, new[path].astype(x.dtype), start // self._strides[path],
-                                                       token_axis(axes))
-        return shard_cache(map_with_axes(put, cache))
-
-    def _put_state_impl(self, cache, state):
-        """``cache`` with its leaves that have no token axis taken from ``state``."""
-        new = self._by_path(state)
-        return shard_cache(map_with_axes(lambda path, x, axes: x if token_axis(axes) is not None
-                                         else new[path].astype(x.dtype), cache))
-
-    def _row_impl(self, state, batch, r):
-        """Row ``r`` of the batch as a 1-row cache holding exactly the tokens the row has consumed,
-        and h of the last of them ([1, D], spec only). With spec, the pending MTP rows but the last
-        are caught up first, so the MTP slots cover the same tokens as the model's."""
-        row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1, 0), batch)
-        cache = row["cache"]
-        if not self.k:
-            return shard_cache(cache), None
-        model = nnx.merge(self._graphdef, state)
-        h, tok, n = row["carry"]["h"], row["carry"]["tok"], row["carry"]["n"]
-        keep = n - 1
-        index = cache.mtp.slots.index
-        rows = jnp.arange(self.k + 1)[None, :] < keep[:, None]
-        _, _, cache = model.mtp_forward(h, tok, rows, cache)
-        cache = cache.replace(mtp=cache.mtp.replace(slots=cache.mtp.slots.replace(index=index + keep)))
-        return shard_cache(cache), jnp.take_along_axis(h, keep[:, None, None], axis=1)[:, 0]
 
     def _step_impl(self, state, batch, active, force, cap, top_n: int | None = None):
         """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
@@ -407,23 +347,28 @@ class Generator:
                 + sum(x.size * x.dtype.itemsize for x in rest))
         return self._cache_bytes[rows, length]
 
-    def _plan(self, start: int, n: int, marks=()) -> list[tuple[int, int, int]]:
-        """The prefill pieces of prompt tokens ``start .. n-1``: ``(first, end, width)`` each, ending at
-        every multiple of ``prefill_chunk`` (snapshot points shared by other prompts), at each of
-        ``marks``, and at ``n``; ``width``: the piece's power-of-two bucket (right padding)."""
+    def _plan(self, start: int, n: int, marks=()) -> list[tuple[int, int, int, bool]]:
+        """The prefill pieces of prompt tokens ``start .. n-1``: ``(first, end, width, snapshot)``.
+        Snapshot points: every multiple of ``prefill_chunk`` (shared by other prompts), each of
+        ``marks``, and ``n``. Between two, pieces of the largest power-of-two width that fits, the last
+        right-padded to ``PREFILL_MIN``: at most ``PREFILL_MIN - 1`` padding tokens per segment, and
+        only power-of-two widths up to the chunk are ever compiled."""
         chunk = self.prefill_chunk
         ends = sorted(set(range(_round_up(start + 1, chunk), n, chunk)) | {m for m in marks if start < m < n} | {n})
         pieces, a = [], start
-        for e in ends:
-            pieces.append((a, e, chunk if e - a == chunk else _bucket(e - a)))
-            a = e
+        for end in ends:
+            while a < end:
+                width = min(chunk, max(PREFILL_MIN, 1 << ((end - a).bit_length() - 1)))
+                e = min(end, a + width)
+                pieces.append((a, e, width, e == end))
+                a = e
         return pieces
 
     def _need(self, req: Request, start: int = 0) -> int:
         """Token slots a request occupies: the widest write of its prefill pieces (from a cached
         prefix of ``start`` tokens), or its prompt, new tokens and the verify overshoot."""
         n = len(req.prompt)
-        written = max(a + w for a, _, w in self._plan(start, n, req.cache_marks))
+        written = max(a + w for a, _, w, _ in self._plan(start, n, req.cache_marks))
         return max(written, n + req.max_new_tokens + self.k + 1)
 
     def _lookup(self, req: Request) -> Snapshot | None:
@@ -477,11 +422,11 @@ class Generator:
         """A fresh 1-row ``cache`` holding the snapshot's prefix; returns (cache, h_{N-1} [1, D])."""
         b = self.prefix.block
         for i, key in enumerate(snap.blocks):
-            cache = self._put_fn(cache, self.prefix.block_arrays(key), jnp.int32(i * b))
+            cache = self._rows_io.put_block(cache, self.prefix.block_arrays(key), jnp.int32(i * b))
         arrays = snap.arrays
         if arrays["window"] is not None:
-            cache = self._put_fn(cache, arrays["window"], jnp.int32(len(snap.blocks) * b))
-        cache = self._put_state_fn(cache, arrays["state"])
+            cache = self._rows_io.put_block(cache, arrays["window"], jnp.int32(len(snap.blocks) * b))
+        cache = self._rows_io.put_state(cache, arrays["state"])
         return cache, arrays["hidden"]
 
     def _snapshot(self, tokens: list[int], row) -> None:
@@ -495,8 +440,8 @@ class Generator:
             return got[0]
 
         self.prefix.store(self._prefix_root, tokens,
-                          lambda start: self._take_fn(cache_row()[0], jnp.int32(start)),
-                          lambda start: self._rest_fn(cache_row()[0], cache_row()[1], jnp.int32(start or 0),
+                          lambda start: self._rows_io.take_block(cache_row()[0], jnp.int32(start)),
+                          lambda start: self._rows_io.take_rest(cache_row()[0], cache_row()[1], jnp.int32(start or 0),
                                                       window=start is not None))
         self.prefix.fit_device(self.memory_budget - self.cache_bytes(self._B, self._L))
 
@@ -524,7 +469,7 @@ class Generator:
         prompt_top = top_bucket([] if req.prompt_logprobs is None else [req.prompt_logprobs])
         scored = []                                   # per piece: logprobs of the token after each position
         prompt = np.asarray(req.prompt, np.int32)
-        for a, e, w in self._plan(start, n, req.cache_marks):
+        for a, e, w, snapshot in self._plan(start, n, req.cache_marks):
             ids = np.zeros((1, w), np.int32)
             mask = np.zeros((1, w), bool)
             nxt = np.zeros((1, w), np.int32)
@@ -535,7 +480,7 @@ class Generator:
             logits, h_prev, cache = out[:3]
             if prompt_top is not None:
                 scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
-            if self.prefix is not None:
+            if self.prefix is not None and snapshot:
                 self._snapshot(req.prompt[:e], lambda c=cache, h=h_prev: (c, h if self.k else None))
         prompt_lps = None
         if prompt_top is not None:
@@ -767,7 +712,7 @@ class Generator:
             r = self._rows.index(req)
             if self.prefix is not None and req.raw:
                 consumed = (req.prompt + req.raw)[:len(req.prompt) + len(req.raw) - 1]   # the last is pending
-                self._snapshot(consumed, lambda: self._row_fn(self._state, self._batch, jnp.int32(r)))
+                self._snapshot(consumed, lambda: self._rows_io.row(self._state, self._batch, jnp.int32(r)))
             self._rows[r] = None
         now = time.perf_counter()
         req.stats.update(generated_tokens=len(req.tokens), seconds=now - req.stats.get("submitted", now))

@@ -295,9 +295,12 @@ class PrefixCache:
                 users.discard(key)
 
     def clear(self) -> None:
+        """Drop every entry (not counted as evictions)."""
+        evicted = self.stats.evicted
         for kind, key in list(self._lru):
             if (kind, key) in self._lru:
                 self._drop(kind, key)
+        self.stats.evicted = evicted
 
     @property
     def entries(self) -> dict[str, int]:
