@@ -198,7 +198,7 @@ class Generator:
         self._B = self._L = 0
         self._cache_bytes: dict[tuple[int, int], int] = {}
         self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("top_n",))
-        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(5,), static_argnames=("top_n",))
+        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,), static_argnames=("top_n",))
         self._insert_fn = jax.jit(lambda batch, row, r: jax.tree.map(
             lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row),
             donate_argnums=(0,))
@@ -311,7 +311,7 @@ class Generator:
         batch donated; "prefill": ``(state, ids, mask, h_prev, next_ids, next_mask, cache)``, the cache donated),
         not wrapped in the model's mesh: lower it under ``jax.set_mesh`` (``zoo.serving.aot``).
         ``keep_unused``: the weights a program does not read stay arguments (resident memory)."""
-        impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (5,))}[name]
+        impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (6,))}[name]
         return jax.jit(impl, donate_argnums=donate, keep_unused=keep_unused)
 
     def abstract_batch(self, rows: int, length: int) -> dict:
