@@ -82,7 +82,11 @@ def test_claude_code_print_mode(server, tmp_path):
     assert turns and turns[0].query == "beta=true" and "anthropic-beta" in turns[0].headers
     assert any(m["role"] == "system" for m in turns[0].json()["messages"])     # the request that used to get a 400
     events = turns[-1].sse()
-    assert events[0][1]["message"]["usage"]["input_tokens"] > 10_000
+    usage = events[0][1]["message"]["usage"]
+    # Claude Code marks its system prompt and last message with cache_control: most of the >10k-token
+    # prompt is written to (first turn) or read from (later turns) the prefix cache, the rest is input
+    assert usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"] > 10_000
+    assert usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"] > 10_000
     generated = "".join(d["delta"]["text"] for name, d in events
                         if name == "content_block_delta" and d["delta"]["type"] == "text_delta")
     assert events[-1][0] == "message_stop" and generated == ANSWER

@@ -156,7 +156,8 @@ def test_prompt_logprobs_lm_eval_shape(request, model, which):
     out = lm_eval_request(server, batch)
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert out["usage"] == {"prompt_tokens": sum(map(len, batch)), "completion_tokens": 0,
-                            "total_tokens": sum(map(len, batch))}
+                            "total_tokens": sum(map(len, batch)),
+                            "prompt_tokens_details": {"cached_tokens": 0}}    # prompt logprobs: all prefilled
     for ids, choice in zip(batch, out["choices"]):
         lp = choice["logprobs"]
         assert choice["finish_reason"] == "length" and choice["text"] == tok.decode(ids)

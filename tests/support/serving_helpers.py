@@ -91,10 +91,12 @@ class ScriptTable(nnx.Variable):
 class ScriptCache(CacheState):
     """The wrapped model's cache (without its MTP part) and each row's script and step."""
 
-    AXES = {"script": ("batch",), "step": ("batch",)}
+    AXES = {"script": ("batch",), "step": ("batch",), "last": ("batch",)}
     inner: ModelCache
     script: jax.Array
     step: jax.Array
+    last: jax.Array             # the row's last real token so far (-1: none), so a marker and its letter
+                                # may sit in two prefill pieces
 
     def without_mtp(self) -> "ScriptCache":
         return self
@@ -124,17 +126,23 @@ class ScriptedLM(nnx.Module):
 
     def init_cache(self, batch: int, length: int) -> ScriptCache:
         return ScriptCache(inner=self.inner.init_cache(batch, length).without_mtp(),
-                           script=jnp.full((batch,), -1, jnp.int32), step=jnp.zeros((batch,), jnp.int32))
+                           script=jnp.full((batch,), -1, jnp.int32), step=jnp.zeros((batch,), jnp.int32),
+                           last=jnp.full((batch,), -1, jnp.int32))
 
     def __call__(self, ids, mask, cache: ScriptCache, keep_steps: bool = False):
         logits, hidden, inner = self.inner(ids, mask, cache.inner, keep_steps)
         table = self.table.get_value()
-        if ids.shape[1] > 1:                      # a prompt chunk: look for the marker
-            hits = (ids == self.mark) & mask.astype(bool)
-            last = ids.shape[1] - 1 - jnp.argmax(hits[:, ::-1], axis=1)
-            letter = jnp.take_along_axis(ids, jnp.minimum(last + 1, ids.shape[1] - 1)[:, None], 1)[:, 0]
+        mask = mask.astype(bool)
+        count = mask.astype(jnp.int32).sum(axis=1)
+        if ids.shape[1] > 1:                      # a prompt piece (real tokens first): look for the marker
+            ext = jnp.concatenate([cache.last[:, None], ids], axis=1)        # with the previous piece's last
+            real = jnp.concatenate([cache.last[:, None] >= 0, mask], axis=1)
+            hits = (ext == self.mark) & real
+            hits = hits & jnp.concatenate([real[:, 1:], jnp.zeros_like(real[:, :1])], axis=1)   # a letter follows
+            at = ext.shape[1] - 1 - jnp.argmax(hits[:, ::-1], axis=1)
+            letter = jnp.take_along_axis(ext, jnp.minimum(at + 1, ext.shape[1] - 1)[:, None], 1)[:, 0]
             chosen = letter - self.first_letter
-            valid = hits.any(1) & (last + 1 < ids.shape[1]) & (chosen >= 0) & (chosen < table.shape[0])
+            valid = hits.any(1) & (chosen >= 0) & (chosen < table.shape[0])
             script = jnp.where(valid, chosen, cache.script)
             step = jnp.zeros_like(cache.step)
         else:                                     # a decode step: the next token of the script
@@ -142,10 +150,11 @@ class ScriptedLM(nnx.Module):
             step = cache.step + mask[:, 0].astype(jnp.int32)
         forced = table[jnp.maximum(script, 0), jnp.minimum(step, table.shape[1] - 1)]
         forced_logits = jnp.where(jax.nn.one_hot(forced, logits.shape[-1]) > 0, 0.0, -1e9).astype(logits.dtype)
-        at = jnp.maximum(mask.astype(jnp.int32).sum(axis=1) - 1, 0)[:, None, None]    # the last real token
+        at = jnp.maximum(count - 1, 0)[:, None, None]                      # the last real token
         last_logits = jnp.where((script >= 0)[:, None], forced_logits, jnp.take_along_axis(logits, at, 1)[:, 0])
         logits = jnp.where(jnp.arange(logits.shape[1])[None, :, None] == at, last_logits[:, None], logits)
-        return logits, hidden, ScriptCache(inner=inner, script=script, step=step)
+        last = jnp.where(count > 0, jnp.take_along_axis(ids, at[:, :, 0], 1)[:, 0], cache.last)
+        return logits, hidden, ScriptCache(inner=inner, script=script, step=step, last=last)
 
 
 def checkpoint_with_template(root: Path, template: str, context: int | None = None) -> Path:

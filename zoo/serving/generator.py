@@ -430,8 +430,8 @@ class Generator:
         return cache, arrays["hidden"]
 
     def _snapshot(self, tokens: list[int], row) -> None:
-        """Cache the state of a 1-row cache after ``tokens`` (``row()`` gives (cache, hidden); only
-        called when something is missing from the cache)."""
+        """Cache the state after ``tokens``; ``row()`` gives the 1-row cache holding it and h of its
+        last token (called once, and only when the prefix cache lacks something of it)."""
         got = []
 
         def cache_row():
@@ -439,10 +439,12 @@ class Generator:
                 got.append(row())
             return got[0]
 
+        def rest(start):
+            cache, hidden = cache_row()
+            return self._rows_io.take_rest(cache, hidden, jnp.int32(start or 0), window=start is not None)
+
         self.prefix.store(self._prefix_root, tokens,
-                          lambda start: self._rows_io.take_block(cache_row()[0], jnp.int32(start)),
-                          lambda start: self._rows_io.take_rest(cache_row()[0], cache_row()[1], jnp.int32(start or 0),
-                                                      window=start is not None))
+                          lambda start: self._rows_io.take_block(cache_row()[0], jnp.int32(start)), rest)
         self.prefix.fit_device(self.memory_budget - self.cache_bytes(self._B, self._L))
 
     def _prefill_into(self, group: list[Request], at: list[int]) -> None:

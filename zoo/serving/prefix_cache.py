@@ -18,9 +18,9 @@ entry of another model or layout can never match. Two kinds of entries:
 Recurrent state cannot be rolled back, so a prefix is reusable only where a snapshot ends: a
 request takes the longest N <= ``max_len`` with a snapshot whose blocks are all present.
 
-What a leaf is comes from its logical axes (``zoo.sharding.cache_axes``): a leaf with a
-``TOKEN_AXES`` axis is per token (``cache_len`` and ``latent_len``: one slot per token; ``pools``:
-one entry per pool of tokens; the number of tokens per entry is read off the cache's shapes). The
+What a leaf is comes from its logical axes (``zoo.sharding.cache_axes.token_axis``): a leaf with a
+token axis is per token (``cache_len`` and ``latent_len``: one slot per token; ``pools``: one entry
+per pool of tokens; the number of tokens per entry is read off the cache's shapes). The
 cache rows this module reads and writes are compact (slot s holds position s), which the generator
 guarantees (right-padded prefill pieces, the index rolled back to the real tokens).
 
@@ -41,9 +41,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zoo.sharding.cache_axes import map_with_axes
-
-TOKEN_AXES = ("cache_len", "latent_len", "pools")
+from zoo.sharding.cache_axes import map_with_axes, token_axis
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -56,14 +54,6 @@ def _digest(*parts: bytes) -> bytes:
 
 def _tok_bytes(tokens) -> bytes:
     return np.asarray(tokens, np.int32).tobytes()
-
-
-def token_axis(axes: tuple) -> int | None:
-    """The position of a leaf's per-token axis among its logical ``axes`` (None: no such axis)."""
-    hits = [i for i, a in enumerate(axes) if a in TOKEN_AXES]
-    if len(hits) > 1:
-        raise ValueError(f"a cache leaf with two token axes: {axes}")
-    return hits[0] if hits else None
 
 
 def token_strides(cache, length: int) -> dict[str, int]:

@@ -8,7 +8,7 @@
     row(weights, batch, r) -> (cache, hidden)  batch row r holding exactly the tokens it consumed
 
 ``cache`` is a 1-row cache (``[1, L, ...]`` leaves) of a compact row (slot s holds position s).
-A leaf is per token when one of its logical axes is a token axis (``prefix_cache.token_axis``);
+A leaf is per token when one of its logical axes is a token axis (``zoo.sharding.cache_axes.token_axis``);
 ``strides``: tokens per entry of that axis (1 for slots, the pool size for pooled keys). Every
 output is a fresh buffer: the row it was read from is donated to the next prefill piece.
 """
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.serving.prefix_cache import split_leaves, token_axis
-from zoo.sharding.cache_axes import map_with_axes, shard_cache
+from zoo.serving.prefix_cache import split_leaves
+from zoo.sharding.cache_axes import map_with_axes, shard_cache, token_axis
 from zoo.sharding.mesh import on_mesh
 
 

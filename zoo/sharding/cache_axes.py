@@ -11,6 +11,7 @@ error: a new cache array must be given axes rather than be silently replicated.
     cache_axes(cache) -> {dotted path: axes}        every array, by its field path
     shard_cache(cache)                              pin every array to its layout (inside jit)
     cache_shardings(cache, mesh)                    the NamedSharding of every array (a tree like cache)
+    token_axis(axes)                                which axis of a leaf runs over tokens (None: none)
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ import jax
 from jax.sharding import Mesh
 
 from zoo.sharding.mesh import Axes, current_mesh, named_sharding, partition_spec
+
+TOKEN_AXES = ("cache_len", "latent_len", "pools")     # logical axes that run over the tokens of a row
+
+
+def token_axis(axes: tuple) -> int | None:
+    """The position of a cache leaf's per-token axis among its logical ``axes`` (None: no such
+    axis): slots (``cache_len``, ``latent_len``: one per token) or pools of tokens (``pools``)."""
+    hits = [i for i, a in enumerate(axes) if a in TOKEN_AXES]
+    if len(hits) > 1:
+        raise ValueError(f"a cache leaf with two token axes: {axes}")
+    return hits[0] if hits else None
 
 
 class CacheState:

@@ -24,8 +24,7 @@ from flax import nnx
 
 from zoo import registry
 from zoo.models.architectures import architecture
-from zoo.serving.prefix_cache import token_axis
-from zoo.sharding.cache_axes import map_with_axes
+from zoo.sharding.cache_axes import map_with_axes, token_axis
 from zoo.sharding.device_plan import plan_mesh
 from zoo.sharding.mesh import partition_spec
 
