@@ -94,3 +94,15 @@ def test_prefill_chunk_is_the_servers_choice(model):
     for bad in (0, 8, 100):
         with pytest.raises(ValueError, match="prefill_chunk must be a power of two >= 16"):
             Generator(model, prefill_chunk=bad)
+
+
+def test_prompt_ids_outside_the_vocabulary_and_a_huge_top_k(model):
+    """The Python API checks prompt ids against the vocabulary (an id the model cannot embed is an
+    error, not a silently clipped lookup) and takes any top_k (past the vocabulary: every token)."""
+    gen = model.generator()
+    for bad in ([2**40], [-1], [model.config.vocab_size]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            gen.make_request([5] + bad, max_new_tokens=2)
+    prompt = [5, 17, 200, 33]
+    huge = model.generate([prompt], max_new_tokens=4, top_k=2**40)[0]
+    assert huge.tokens == model.generate([prompt], max_new_tokens=4)[0].tokens

@@ -272,3 +272,10 @@ def test_malformed_known_fields_are_a_400_in_the_anthropic_schema(server, change
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     assert r.json()["error"]["message"].startswith(where), r.json()
+
+
+def test_top_k_past_int32_is_a_400_and_the_engine_serves_on(server):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(server).messages.create(model="m", max_tokens=4, messages=[user(THINK)], extra_body={"top_k": 2**40})
+    assert "top_k" in str(e.value)
+    assert client(server).messages.create(model="m", max_tokens=MAX, messages=[user(THINK)]).stop_reason == "end_turn"

@@ -213,6 +213,25 @@ def test_errors(server):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+
+def test_values_the_engine_cannot_hold_are_400_and_it_keeps_serving(server):
+    """A top_k past int32 and prompt token ids outside the vocabulary used to kill the engine thread
+    (OverflowError; every later request 503): now each is a 400 naming the field, and the engine serves on."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    vocab = server.app.state.service.engine.generator.vocab
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth,
+                   json={"model": "tiny", "messages": [user("hi")], "max_tokens": 2, "top_k": 2**40})
+    assert r.status_code == 400 and "top_k" in r.json()["error"]["message"]
+    for prompt in ([2**40], [-1], [vocab], [5, vocab + 7]):
+        r = httpx.post(server.url + "/v1/completions", headers=auth, json={"model": "tiny", "prompt": prompt,
+                                                                            "max_tokens": 2})
+        assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], (prompt, r.text)
+    ok = client(server).chat.completions.create(model="tiny", messages=[user("hi")], max_tokens=2,
+                                                extra_body={"top_k": vocab + 1000})     # as many as there are
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
 def test_metrics_parse(server):
     r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     families = {f.name: f for f in text_string_to_metric_families(r.text)}

@@ -154,7 +154,7 @@ class MessagesRequest(CountRequest):
     stream: bool = False
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=2**31 - 1)
 
 
 def _validate(adapter: TypeAdapter, block, where: str):

@@ -337,6 +337,10 @@ class Service:
         if len(ids) >= self.context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
+        vocab = self.engine.generator.vocab
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0 .. {vocab - 1})", param="prompt")
         budget = self.context - len(ids)
         max_new = min(self.default_max_tokens if max_tokens is None else max_tokens, budget)
         if thinking_budget is None:
@@ -348,11 +352,14 @@ class Service:
                 constraints = await run_in_threadpool(lambda: [make(grammar) for _ in range(n)])
             except ValueError as e:
                 raise ApiError(400, f"the output grammar does not compile: {e}") from None
-        jobs = self.engine.submit_choices(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
-                                          top_k=top_k, seed=random.getrandbits(31) if seed is None else seed,
-                                          thinking_budget=thinking_budget, thinking_opened=thinking_opened,
-                                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
-                                          constraints=constraints, cache_marks=tuple(cache_marks))
+        try:
+            jobs = self.engine.submit_choices(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                                              top_k=top_k, seed=random.getrandbits(31) if seed is None else seed,
+                                              thinking_budget=thinking_budget, thinking_opened=thinking_opened,
+                                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
+                                              constraints=constraints, cache_marks=tuple(cache_marks))
+        except ValueError as e:                  # the engine's own checks of a request
+            raise ApiError(400, str(e)) from None
         try:
             await asyncio.gather(*(job.admitted() for job in jobs))
         except BaseException:

@@ -740,6 +740,10 @@ class Generator:
         positions where the prefix cache should keep a snapshot (the prompt's end always gets one)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        bad = [t for t in prompt if not 0 <= int(t) < self.vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0 .. {self.vocab - 1})")
+        top_k = min(int(top_k), self.vocab)          # top_k >= vocabulary size keeps every token: the same
         if constraints is None and grammar is not None:
             constraints = [self.constraint(grammar) for _ in range(n)]
         if constraints is not None and len(constraints) != n:

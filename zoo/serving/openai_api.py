@@ -46,6 +46,7 @@ from zoo.serving.tool_parsers import ToolCallArgs, ToolCallStart
 router = APIRouter()
 EFFORT_OFF = ("none", "minimal")       # reasoning_effort values that turn thinking off
 MAX_CHOICES = 16                       # n: at most this many choices (each takes a batch row)
+INT32_MAX = 2**31 - 1                  # the engine keeps top_k as int32
 
 
 class _Body(BaseModel):
@@ -76,7 +77,7 @@ class Sampling(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
