@@ -19,7 +19,7 @@ slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_bud
 otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
 
 Prefix caching (``zoo.serving.prefix_cache``): a request starts from the longest cached prefix of its
-prompt with a state snapshot at its end (``_lookup``, ``_restore``) and prefills the rest; every
+prompt with a state snapshot at its end (``_lookup``, ``PrefixRows.restore``) and prefills the rest; every
 piece end and every finished request leaves a snapshot (``_snapshot``; a finished row holds its
 prompt and all its tokens but the last, which was sampled and never fed). The cache's device tier is
 counted against ``memory_budget`` and gives way to the batch.
@@ -228,14 +228,13 @@ class Generator:
         if CACHE_BUCKET % prefix.block:
             raise ValueError(f"prefix block {prefix.block} must divide the cache bucket {CACHE_BUCKET}")
         shapes = jax.eval_shape(lambda: self._empty_impl(1, CACHE_BUCKET))["cache"]
-        self._rows_io = PrefixRows(self._graphdef, self.k, token_strides(shapes, CACHE_BUCKET), prefix.block,
-                                   getattr(self.model, "mesh", None))
         info = getattr(self.model, "load_info", {}) or {}
         mesh = getattr(self.model, "mesh", None)
-        self._prefix_root = PrefixCache.root("|".join(map(str, (
+        root = PrefixCache.root("|".join(map(str, (
             id(self.model.module), info.get("path"), info.get("format"), info.get("quant"), info.get("dtype"),
             self.model.config, f"mtp={bool(self.k)}", f"block={prefix.block}",
             None if mesh is None else dict(mesh.shape)))))
+        self._rows_io = PrefixRows(prefix, root, self._graphdef, self.k, token_strides(shapes, CACHE_BUCKET), mesh)
 
     # -- device programs ----------------------------------------------------------------------
     def _empty_impl(self, rows: int, length: int) -> dict:
@@ -376,7 +375,7 @@ class Generator:
         prefill: its logits give the first token); none when it asks for the prompt's logprobs."""
         if self.prefix is None or req.prompt_logprobs is not None or len(req.prompt) < 2:
             return None
-        return self.prefix.lookup(self._prefix_root, req.prompt, len(req.prompt) - 1)
+        return self.prefix.lookup(self._rows_io.root, req.prompt, len(req.prompt) - 1)
 
     def _try_admit(self, req: Request) -> bool:
         """Give ``req`` (and its forks) rows, growing the batch if needed and allowed, and prefill it;
@@ -418,33 +417,10 @@ class Generator:
         self._prefill_into(group, at)
         return True
 
-    def _restore(self, snap: Snapshot, cache):
-        """A fresh 1-row ``cache`` holding the snapshot's prefix; returns (cache, h_{N-1} [1, D])."""
-        b = self.prefix.block
-        for i, key in enumerate(snap.blocks):
-            cache = self._rows_io.put_block(cache, self.prefix.block_arrays(key), jnp.int32(i * b))
-        arrays = snap.arrays
-        if arrays["window"] is not None:
-            cache = self._rows_io.put_block(cache, arrays["window"], jnp.int32(len(snap.blocks) * b))
-        cache = self._rows_io.put_state(cache, arrays["state"])
-        return cache, arrays["hidden"]
-
     def _snapshot(self, tokens: list[int], row) -> None:
-        """Cache the state after ``tokens``; ``row()`` gives the 1-row cache holding it and h of its
-        last token (called once, and only when the prefix cache lacks something of it)."""
-        got = []
-
-        def cache_row():
-            if not got:
-                got.append(row())
-            return got[0]
-
-        def rest(start):
-            cache, hidden = cache_row()
-            return self._rows_io.take_rest(cache, hidden, jnp.int32(start or 0), window=start is not None)
-
-        self.prefix.store(self._prefix_root, tokens,
-                          lambda start: self._rows_io.take_block(cache_row()[0], jnp.int32(start)), rest)
+        """Cache the state after ``tokens`` (``PrefixRows.store``), then keep the device tier inside
+        what the batch leaves."""
+        self._rows_io.store(tokens, row)
         self.prefix.fit_device(self.memory_budget - self.cache_bytes(self._B, self._L))
 
     def _prefill_into(self, group: list[Request], at: list[int]) -> None:
@@ -461,7 +437,7 @@ class Generator:
         snap = req.prefix_hit
         start = 0 if snap is None else snap.length
         if snap is not None:
-            cache, hidden = self._restore(snap, cache)
+            cache, hidden = self._rows_io.restore(snap, cache)
             if hidden is not None:
                 h_prev = hidden
         if self.prefix is not None and req.prompt_logprobs is None and n >= 2:

@@ -190,11 +190,6 @@ class PrefixCache:
     def block_arrays(self, key: bytes):
         return self._blocks[key].arrays
 
-    def has_snapshot(self, root: bytes, tokens) -> bool:
-        n, b = len(tokens), self.block
-        base = self.chain(root, tokens, n // b)[-1]
-        return self._snap_key(base, tokens[(n // b) * b:]) in self._snaps
-
     # -- store ----------------------------------------------------------------------------------
     def store(self, root: bytes, tokens, take_block: Callable[[int], Any], take_rest: Callable[[int | None], Any]
               ) -> Snapshot | None:

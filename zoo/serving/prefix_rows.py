@@ -1,5 +1,9 @@
-"""The device programs that move one cache row in and out of the prefix cache
-(``zoo.serving.prefix_cache``), for a generator's model (``graphdef``), draft length ``k`` and mesh.
+"""One generator's side of the prefix cache (``zoo.serving.prefix_cache``): the device programs that
+move one cache row in and out of it, for the model (``graphdef``), draft length ``k`` and mesh, and
+the restore / store calls built from them (entries keyed under ``root``, the model's identity).
+
+    restore(snap, cache) -> (cache, hidden)    a fresh 1-row cache holding the snapshot's prefix
+    store(tokens, row)                         cache the state after ``tokens`` (``row()``: the row)
 
     take_block(cache, start) -> block          per-token leaves of slots start .. start+block-1
     take_rest(cache, hidden, start, window)    a snapshot's arrays: {"window", "state", "hidden"}
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zoo.serving.prefix_cache import split_leaves
+from zoo.serving.prefix_cache import PrefixCache, Snapshot, split_leaves
 from zoo.sharding.cache_axes import map_with_axes, shard_cache, token_axis
 from zoo.sharding.mesh import on_mesh
 
@@ -31,16 +35,43 @@ def _by_path(tree) -> dict:
 
 
 class PrefixRows:
-    def __init__(self, graphdef, k: int, strides: dict[str, int], block: int, mesh=None):
+    def __init__(self, prefix: PrefixCache, root: bytes, graphdef, k: int, strides: dict[str, int], mesh=None):
+        block = prefix.block
         bad = {path: st for path, st in strides.items() if block % st}
         if bad:
             raise ValueError(f"prefix block {block} is not a multiple of the tokens per entry of {bad}")
+        self.prefix, self.root = prefix, root
         self.graphdef, self.k, self.strides, self.block = graphdef, k, strides, block
         self.take_block = on_mesh(jax.jit(self._take_block), mesh)
         self.take_rest = on_mesh(jax.jit(self._take_rest, static_argnames=("window",)), mesh)
         self.put_block = on_mesh(jax.jit(self._put_block, donate_argnums=(0,)), mesh)
         self.put_state = on_mesh(jax.jit(self._put_state, donate_argnums=(0,)), mesh)
         self.row = on_mesh(jax.jit(self._row), mesh)
+
+    def restore(self, snap: Snapshot, cache):
+        """A fresh 1-row ``cache`` holding the snapshot's prefix; returns (cache, h_{N-1} [1, D] or None)."""
+        for i, key in enumerate(snap.blocks):
+            cache = self.put_block(cache, self.prefix.block_arrays(key), jnp.int32(i * self.block))
+        arrays = snap.arrays
+        if arrays["window"] is not None:
+            cache = self.put_block(cache, arrays["window"], jnp.int32(len(snap.blocks) * self.block))
+        return self.put_state(cache, arrays["state"]), arrays["hidden"]
+
+    def store(self, tokens: list[int], row) -> None:
+        """Cache the state after ``tokens``; ``row()`` gives the 1-row cache holding it and h of its last
+        token (called once, and only when the prefix cache lacks something of it)."""
+        got = []
+
+        def cache_row():
+            if not got:
+                got.append(row())
+            return got[0]
+
+        def rest(start):
+            cache, hidden = cache_row()
+            return self.take_rest(cache, hidden, jnp.int32(start or 0), window=start is not None)
+
+        self.prefix.store(self.root, tokens, lambda start: self.take_block(cache_row()[0], jnp.int32(start)), rest)
 
     def _take_block(self, cache, start):
         def take(path, x, axes):
