@@ -68,29 +68,40 @@ def _serve(args) -> int:
     import secrets
     from pathlib import Path
 
-    import zoo
-    from zoo.serving.server import bind, create_app, serve
+    from zoo.serving.transport import bind
 
-    key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
-    t0 = time.perf_counter()
-    model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype)
-    name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
-    app = create_app(model, api_key=key, spec_tokens=args.spec, max_batch=args.max_batch,
-                     prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
-                     queue_timeout_s=args.queue_timeout, model_name=name,
-                     tool_format=None if args.tool_format == "none" else args.tool_format,
-                     thinking_budget=args.thinking_budget, prefix_cache_gb=args.prefix_cache_gb,
-                     prefix_cache_host_gb=args.prefix_cache_host_gb)
-    sock = bind(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    base = f"http://{host}:{sock.getsockname()[1]}"
-    print(f"[zoo] loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    print(f"zoo serve: {name}\n  OpenAI base URL:    {base}/v1\n  Anthropic base URL: {base}\n  API key: {key}",
-          flush=True)
+    try:                                 # the port first: a port in use fails now, not after the model loads
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"zoo serve: cannot listen on {host}:{args.port}: {(e.strerror or str(e)).lower()}", file=sys.stderr)
+        return 2
     try:
-        serve(app, sock, log_level=args.log_level)
-    except KeyboardInterrupt:        # uvicorn re-raises the Ctrl-C it handled once it has shut down
-        pass
+        import zoo
+        from zoo.serving.server import create_app, serve
+
+        key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
+        t0 = time.perf_counter()
+        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype)
+        name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
+        app = create_app(model, api_key=key, spec_tokens=args.spec, max_batch=args.max_batch,
+                         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
+                         queue_timeout_s=args.queue_timeout, model_name=name,
+                         tool_format=None if args.tool_format == "none" else args.tool_format,
+                         thinking_budget=args.thinking_budget, prefix_cache_gb=args.prefix_cache_gb,
+                         prefix_cache_host_gb=args.prefix_cache_host_gb,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout_s=args.body_timeout)
+        base = f"http://{host}:{sock.getsockname()[1]}"
+        print(f"[zoo] loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(f"zoo serve: {name}\n  OpenAI base URL:    {base}/v1\n  Anthropic base URL: {base}\n  API key: {key}",
+              flush=True)
+        try:                             # until SIGTERM / SIGINT, after the drain (see zoo.serving.transport)
+            serve(app, sock, log_level=args.log_level, header_timeout_s=args.header_timeout,
+                  keepalive_timeout_s=args.keepalive_timeout, drain_seconds=args.drain_seconds)
+        except KeyboardInterrupt:        # a Ctrl-C that came before the server ran
+            pass
+    finally:
+        sock.close()
     return 0
 
 
@@ -125,6 +136,22 @@ def _inspect(args) -> int:
     return 0
 
 
+def _positive(text: str) -> float:
+    """An argparse type: a number > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zoo", description="Flax NNX model zoo: serve, generate, inspect.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -152,6 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tool-call format to parse (auto: from the chat template / architecture)")
     s.add_argument("--thinking-budget", type=int, default=None, metavar="N",
                    help="force </think> after N reasoning tokens (default: unlimited; a request's own budget wins)")
+    s.add_argument("--max-body-mb", type=_positive, default=32.0, metavar="N",
+                   help="largest request body in MiB (default 32; larger: 413, before the body is read)")
+    s.add_argument("--body-timeout", type=_positive, default=30.0, metavar="S",
+                   help="seconds a request body may send nothing before the request gets 408 (default 30)")
+    s.add_argument("--header-timeout", type=_positive, default=30.0, metavar="S",
+                   help="seconds a connection has to send a complete request head; slow or half-open "
+                        "clients are disconnected (default 30)")
+    s.add_argument("--keepalive-timeout", type=_positive, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    s.add_argument("--drain-seconds", type=_non_negative, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT: new requests get 503, running ones may finish for S seconds "
+                        "(default 30), the rest end with an error event, then the server exits 0 "
+                        "(a second signal: at once)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(fn=_serve)
 

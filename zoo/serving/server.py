@@ -3,8 +3,11 @@
 ``create_app(model, ...)`` builds a FastAPI app over one ``Generator``: its engine thread starts and
 stops with the app; the OpenAI (``openai_api``) and Anthropic (``anthropic_api``) surfaces are
 thin adapters over ``chat.Service``; ``tokenize_api`` adds vLLM's ``/tokenize`` and ``/detokenize``.
-The app also answers ``GET /health`` (no key needed) and ``GET /metrics`` (Prometheus text).
-``serve`` runs it with uvicorn; ``ServerThread`` runs it in a background thread (tests, notebooks).
+The app also answers ``GET``/``HEAD /health`` (no key needed; 503 while draining or once the engine
+stopped) and ``GET /metrics`` (Prometheus text). Request bodies are limited in size and in how long
+they may stall (``transport.BodyLimit``). ``serve`` runs the app with uvicorn (``transport``: request-head
+and keep-alive deadlines, a drain on SIGTERM); ``ServerThread`` runs it in a background thread (tests,
+notebooks).
 """
 
 from __future__ import annotations
@@ -16,28 +19,26 @@ import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from zoo.serving import anthropic_api, openai_api, responses_api, tokenize_api
+from zoo.serving import anthropic_api, openai_api, responses_api, tokenize_api, transport
 from zoo.serving.chat import Service
 from zoo.serving.engine_thread import EngineThread
 from zoo.serving.errors import ApiError
 from zoo.serving.generator import PREFILL_CHUNK, Generator
 from zoo.serving.metrics import CountRequests, Metrics
 from zoo.serving.tool_parsers import PARSERS, detect_format
+from zoo.serving.transport import BodyLimit, DrainingServer, bind, error_response
 
 log = logging.getLogger("zoo.serve")
 
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
     """``err`` in the error schema of the API the path belongs to."""
-    anthropic = request.url.path.startswith("/v1/messages")
-    return JSONResponse(err.anthropic_body() if anthropic else err.openai_body(), status_code=err.status,
-                        headers=err.headers)
+    return error_response(request.url.path, err)
 
 
 def _require_key(api_key: str | None):
@@ -60,7 +61,9 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
                max_queue: int = 64, queue_timeout_s: float = 60.0, keepalive_s: float = 15.0,
                model_name: str | None = None, tool_format: str | None = "auto", default_max_tokens: int = 4096,
                memory_budget: int | None = None, thinking_budget: int | None = None,
-               prefix_cache_gb: float | None = None, prefix_cache_host_gb: float | None = None) -> FastAPI:
+               prefix_cache_gb: float | None = None, prefix_cache_host_gb: float | None = None,
+               max_body_bytes: int = transport.MAX_BODY_BYTES,
+               body_timeout_s: float | None = transport.BODY_TIMEOUT_S) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
@@ -73,6 +76,9 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     (None: unlimited); an Anthropic ``thinking.budget_tokens`` or OpenAI ``thinking_budget`` field
     of a request takes its place. prefix_cache_gb / prefix_cache_host_gb: the prefix cache's device
     and host-RAM tiers in GiB (None: the defaults of ``Generator``; ``prefix_cache_gb`` 0: off).
+    max_body_bytes: a larger request body gets 413 (in the API's error schema); body_timeout_s: a
+    request body that sends nothing for this long gets 408 (None: no limit). The engine is
+    ``app.state.service.engine``; ``serve`` drains it on SIGTERM.
     """
     if thinking_budget is not None and thinking_budget < 1:
         raise ValueError(f"thinking_budget must be >= 1, got {thinking_budget}")
@@ -109,11 +115,10 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     app.include_router(responses_api.router, dependencies=auth)
     app.include_router(tokenize_api.router, dependencies=auth)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if not engine.alive:
-            return JSONResponse({"status": "error", "error": engine.error or "the engine is not running"}, 503)
-        return {"status": "ok", "model": name}
+        status, body = engine.health()
+        return JSONResponse({**body, "model": name} if status == 200 else body, status)
 
     @app.get("/metrics", dependencies=auth)
     async def prometheus_metrics():
@@ -129,37 +134,43 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
         log.exception("internal error on %s", request.url.path)
         return _error_response(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
     app.add_exception_handler(Exception, internal_error)
-    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(CountRequests, metrics=metrics)     # outermost: it counts BodyLimit's answers too
     return app
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` (port 0: a free port); connections wait in its backlog
-    until the server runs."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
+def _server(app: FastAPI, log_level: str, header_timeout_s: float, keepalive_timeout_s: float,
+            drain_seconds: float) -> DrainingServer:
+    service = getattr(app.state, "service", None)
+    return transport.make_server(app, log_level=log_level, header_timeout_s=header_timeout_s,
+                                 keepalive_timeout_s=keepalive_timeout_s, drain_seconds=drain_seconds,
+                                 drain=service.engine.drain if service is not None else None)
 
 
-def _server(app: FastAPI, log_level: str) -> uvicorn.Server:
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
-
-
-def serve(app: FastAPI, sock: socket.socket, *, log_level: str = "info") -> None:
-    """Serve ``app`` on ``sock`` (from ``bind``) until interrupted."""
-    _server(app, log_level).run(sockets=[sock])
+def serve(app: FastAPI, sock: socket.socket, *, log_level: str = "info",
+          header_timeout_s: float = transport.HEADER_TIMEOUT_S,
+          keepalive_timeout_s: float = transport.KEEPALIVE_TIMEOUT_S,
+          drain_seconds: float = transport.DRAIN_SECONDS) -> None:
+    """Serve ``app`` on ``sock`` (from ``bind``) until SIGTERM or SIGINT, then drain: new generation
+    requests get 503, running ones may finish for ``drain_seconds``, the rest end with an in-band
+    error; returns once the server stopped (a second signal: at once). header_timeout_s: a
+    connection must send a complete request head within this; keepalive_timeout_s: an idle
+    keep-alive connection is closed after this (see ``zoo.serving.transport``)."""
+    _server(app, log_level, header_timeout_s, keepalive_timeout_s, drain_seconds).run(sockets=[sock])
 
 
 class ServerThread:
-    """Run ``app`` with uvicorn in a background thread: ``with ServerThread(app) as s: s.url``."""
+    """Run ``app`` with uvicorn in a background thread: ``with ServerThread(app) as s: s.url``.
+    The timeouts are those of ``serve``; ``drain()`` does what SIGTERM does to ``serve``."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
+                 header_timeout_s: float = transport.HEADER_TIMEOUT_S,
+                 keepalive_timeout_s: float = transport.KEEPALIVE_TIMEOUT_S,
+                 drain_seconds: float = transport.DRAIN_SECONDS):
         self._sock = bind(host, port)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self._server = _server(app, log_level)
+        self._server = _server(app, log_level, header_timeout_s, keepalive_timeout_s, drain_seconds)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="zoo-uvicorn", daemon=True)
 
@@ -170,6 +181,15 @@ class ServerThread:
                 raise RuntimeError("the server failed to start (see the log)")
             self._thread.join(0.02)
         return self
+
+    def drain(self) -> None:
+        """Start the drain of SIGTERM (returns at once; ``join`` waits for the server to stop)."""
+        self._server.drain()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s for the server to stop; whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
