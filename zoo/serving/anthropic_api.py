@@ -144,7 +144,7 @@ async def _stream(events, job, message: dict, clipped: bool, omit: bool):
                 if open_kind is not None:
                     yield _sse({"type": "content_block_stop", "index": index})
                 if e.reason == "error":
-                    yield _sse(ApiError(500, e.error or "generation failed").anthropic_body())
+                    yield _sse(ApiError(e.error_status, e.error or "generation failed").anthropic_body())
                     return
                 yield _sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(e, clipped),
                                                                "stop_sequence": e.stop_sequence},

@@ -53,6 +53,7 @@ class Finish:
     stop_sequence: str | None = None
     tool_calls: bool = False
     error: str | None = None
+    error_status: int = 500            # the HTTP status of ``error`` (503: the server is shutting down)
 
 
 @dataclass
@@ -246,6 +247,16 @@ class Service:
                 raise ApiError(400, f"{where}[{i}]: token id {t} is not in the vocabulary (0..{vocab - 1})",
                                param=where)
 
+    def check_prompt_chars(self, text: str, where: str = "the prompt") -> None:
+        """400 before tokenizing when ``text`` has more characters than the context can hold tokens
+        of (``Tokenizer.max_chars_per_token`` per token), so a huge body is refused in microseconds
+        instead of being tokenized first; nothing is checked where the tokenizer gives no bound."""
+        per_token = getattr(self.tokenizer, "max_chars_per_token", None)
+        if per_token and len(text) > self.context * per_token:
+            raise ApiError(400, f"{where} has {len(text)} characters, more than the model's context of "
+                                f"{self.context} tokens can hold (a token spans at most {per_token} characters)",
+                           code="context_length_exceeded")
+
     def decoder(self, stop: list[str] = ()) -> TextDecoder:
         """A detokenizer for one request's output, ending the text at any of ``stop``."""
         return TextDecoder(self.tokenizer, self._hidden, stop)
@@ -313,6 +324,7 @@ class Service:
             trigger = tuple(self.tokenizer.encode(CALL_OPEN))
             grammar = OutputGrammar(opening, wait=wait + (trigger,), rearm=trigger)
         parser, initial = new_parser()
+        self.check_prompt_chars(text + close + prefill + forced)
         ids, ends = self.tokenizer.encode_with_ends(text + close + prefill + forced)
         return ChatPrompt(ids, parser, initial, opens_reasoning=opens, grammar=grammar, new_parser=new_parser,
                           marks=_token_marks(text, ends, marks))
@@ -367,10 +379,14 @@ class Service:
                 job.cancel()
             raise
         for job in jobs:
-            if not job.admitted_to_row and job.req.finish_reason == "error":
+            if not job.admitted_to_row and (job.error or job.req.finish_reason == "error"):
                 for other in jobs:
                     other.cancel()
-                raise ApiError(400, f"the request cannot be served: {job.req.stats.get('error', 'engine error')}")
+                if job.error:                    # the server ended it (engine down, shutting down)
+                    raise ApiError(job.error_status, job.error)
+                status = job.req.stats.get("error_status", 400)
+                prefix = "the request cannot be served" if status < 500 else "the engine failed on this request"
+                raise ApiError(status, f"{prefix}: {job.req.stats.get('error', 'engine error')}")
         return jobs
 
     async def events(self, job: Job, decoder: TextDecoder, parser: OutputParser, initial: list = (),
@@ -422,8 +438,11 @@ class Service:
         finish = Finish("stop", len(req.prompt), job.received, cached, written, tool_calls=tool_calls)
         if decoder.stopped is not None:
             return dataclasses.replace(finish, stop_sequence=decoder.stopped)
-        if job.error or job.finish_reason == "error":
-            return dataclasses.replace(finish, reason="error", error=job.error or job.req.stats.get("error"))
+        if job.error:
+            return dataclasses.replace(finish, reason="error", error=job.error, error_status=job.error_status)
+        if job.finish_reason == "error":
+            return dataclasses.replace(finish, reason="error", error=req.stats.get("error"),
+                                       error_status=req.stats.get("error_status", 500))
         return dataclasses.replace(finish, reason="length" if job.finish_reason == "length" else "stop")
 
 
@@ -437,7 +456,7 @@ async def collect_finished(events: AsyncIterator, request, job) -> tuple[list, F
     if finish is None:
         return None
     if finish.reason == "error":
-        raise ApiError(500, finish.error or "generation failed")
+        raise ApiError(finish.error_status, finish.error or "generation failed")
     return out, finish
 
 

@@ -6,6 +6,12 @@ requests already wait for a batch row); the engine's callbacks (engine thread) r
 through ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``. A job is *admitted* when the
 engine gives it a batch row (its prefill starts); ``Job.admitted`` gives up after ``queue_timeout_s``
 with 503, so the wait limit counts queueing only, never prefill or compilation.
+
+Failures: a request the engine fails (``Generator`` isolates each request's faults) ends with the
+engine's error; if the engine thread itself dies, every job ends at once with that error, and a job
+still waiting notices within one tick (``Job.next``) even if a callback was lost. ``drain`` (SIGTERM)
+stops admitting, lets running requests finish for a while, then ends the rest with an error each API
+renders in its own format (``error_status`` 503).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ class Job:
         self.received = 0                   # tokens received so far
         self.logprobs: list = []            # their TokenLogprob records, if the request asked for them
         self.finished = False               # the engine is done with it (or the engine failed)
-        self.error: str | None = None
+        self.error: str | None = None       # set when the server ends the request (engine down, shutdown)
+        self.error_status = 500             # the HTTP status that error maps to
         self.reason = "cancelled"           # the finish reason if the server stops it (see ``cancel``)
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
@@ -89,7 +96,10 @@ class Job:
         try:
             item = await asyncio.wait_for(self._queue.get(), tick)
         except TimeoutError:
-            return TICK
+            if self.finished or self.engine.alive:
+                return TICK
+            self.end(self.engine.error or "the engine is not running")   # the engine died meanwhile
+            item = await self._queue.get()
         tokens, done = [], False
         while True:
             if item is None:
@@ -104,6 +114,16 @@ class Job:
         if done:
             self._done()
         return tokens, done
+
+    def end(self, message: str, status: int = 500) -> None:
+        """End the request now with ``message`` (its consumer gets a ``Finish`` with the error);
+        the engine is asked to free its row."""
+        if self.finished or self.error is not None:
+            return
+        self.error, self.error_status = message, status
+        if self.req is not None:
+            self.engine.generator.cancel(self.req)
+        self._arrive(None)
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Stop the request (client gone, stop string seen, queue timeout); frees its batch row."""
@@ -128,7 +148,8 @@ class EngineThread:
     def __init__(self, generator, metrics: Metrics, *, max_queue: int = 64, queue_timeout_s: float = 60.0):
         self.generator, self.metrics = generator, metrics
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
-        self.error: str | None = None
+        self.error: str | None = None        # why the engine thread stopped (None: it runs)
+        self.draining = False                 # shutting down: no new requests
         self._jobs: set[Job] = set()
         self._waiting = 0
         self._lock = threading.Lock()
@@ -158,8 +179,40 @@ class EngineThread:
             with self._lock:
                 jobs = list(self._jobs)
             for job in jobs:                # each waiting or streaming request ends now, with the error
-                job.error = self.error
-                job._call(job._arrive, None)
+                job._call(job.end, self.error)
+
+    async def drain(self, seconds: float, poll: float = 0.05) -> None:
+        """Shut down gracefully (call from the event loop): admit no new request (503 ``shutting_down``),
+        wait up to ``seconds`` for the requests in flight to finish, then end the rest with the error
+        "the server is shutting down" (503), and return once their consumers have seen it (or after
+        a further ``poll``-bounded grace of 5 s)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self._jobs and loop.time() < deadline:
+            await asyncio.sleep(poll)
+        with self._lock:
+            jobs = list(self._jobs)
+        if jobs:
+            log.warning("drain: ending %d request(s) still running after %gs", len(jobs), seconds)
+        for job in jobs:
+            job.end("the server is shutting down", status=503)
+        grace = loop.time() + 5.0
+        while self._jobs and loop.time() < grace:
+            await asyncio.sleep(poll)
+
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) for ``/health``: 200 "ok" while the engine serves (with the faults it
+        recovered from, if any), 503 "draining" while shutting down, 503 "error" once it stopped."""
+        faults = dict(self.generator.faults)
+        if not self.alive:
+            return 503, {"status": "error", "error": self.error or "the engine is not running", "faults": faults}
+        if self.draining:
+            return 503, {"status": "draining", "running": len(self._jobs)}
+        body = {"status": "ok"}
+        if faults["failed_requests"] or faults["failed_steps"]:
+            body["faults"] = faults
+        return 200, body
 
     @property
     def alive(self) -> bool:
@@ -175,6 +228,8 @@ class EngineThread:
                        constraints=None, cache_marks: tuple = ()) -> list[Job]:
         """``submit`` with ``n`` choices of one prompt (prefilled once; ``Generator.make_request``),
         a job each; ``constraints``: a ``Constraint`` per choice."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if not self.alive:
             raise ApiError(503, self.error or "the engine is not running", code="engine_down")
         if self._waiting >= self.max_queue:

@@ -50,11 +50,11 @@ sampling (speculative rows reject their drafts that step), and the model continu
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,65 +70,19 @@ from zoo.serving.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token
 from zoo.serving.masked_step import MaskedPrograms, pick_next
 from zoo.serving.prefix_cache import PrefixCache, Snapshot, token_strides
 from zoo.serving.prefix_rows import PrefixRows
-from zoo.serving.sampling import row_keys, sample
+from zoo.serving.request import Generation, Request, fork_seed
+from zoo.serving.sampling import flag_nonfinite, row_keys, sample
 from zoo.serving.thinking import ThinkingBudget
 from zoo.serving.token_mask import apply_token_mask
 from zoo.sharding.cache_axes import cache_shardings, shard_cache
 from zoo.sharding.mesh import on_mesh
 
+log = logging.getLogger("zoo.serve")
 PREFILL_CHUNK = 1024
 PREFILL_MIN = 16
 CACHE_BUCKET = 256
 PREFIX_BLOCK = 256     # tokens per prefix-cache block (zoo.serving.prefix_cache)
 MIN_ROWS = 4          # the batch starts with this many rows (fewer compilations as streams join)
-
-
-@dataclass
-class Generation:
-    tokens: list[int]
-    finish_reason: str                     # "stop", "length", "cancelled" or "error" (see stats["error"])
-    stats: dict = field(default_factory=dict)
-    logprobs: list[TokenLogprob] | None = None          # per token, if the request asked
-    prompt_logprobs: list[TokenLogprob] | None = None   # per prompt token (the first: logprob None)
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request; the engine fills ``tokens``/``finish_reason``/``stats``."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop_ids: frozenset = frozenset()
-    stop_strings: tuple = ()
-    on_tokens: Callable[["Request", list[int]], None] | None = None   # called from the engine thread
-    on_finish: Callable[["Request"], None] | None = None   # called once from the engine thread, after done
-    on_admit: Callable[["Request"], None] | None = None    # engine thread: it got a row, its prefill starts
-    thinking: ThinkingBudget | None = None                  # closes the reasoning after a budget of tokens
-    forcing: collections.deque = field(default_factory=collections.deque)   # ids the next steps emit
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stats: dict = field(default_factory=dict)
-    cancelled: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-    logprobs: int | None = None            # alternatives per generated token (None: no logprobs)
-    prompt_logprobs: int | None = None     # alternatives per prompt token (None: no prompt logprobs)
-    token_logprobs: list[TokenLogprob] = field(default_factory=list)    # aligned with ``tokens``
-    prompt_token_logprobs: list[TokenLogprob] | None = None             # set by the prefill
-    constraint: Constraint | None = None   # the output grammar (None: unconstrained)
-    forks: list["Request"] = field(default_factory=list)   # the other choices of the same prompt (n > 1)
-    choice: int = 0                        # this request's index among its prompt's choices
-    cache_marks: tuple = ()                # prompt positions worth a prefix-cache snapshot (cache_control)
-    raw: list[int] = field(default_factory=list)   # every token the device emitted for this row, uncut
-    prefix_hit: Snapshot | None = None     # the cached prefix this request starts from (set at admission)
-
-    def result(self) -> Generation:
-        return Generation(list(self.tokens), self.finish_reason or "length", dict(self.stats),
-                          None if self.logprobs is None else list(self.token_logprobs),
-                          self.prompt_token_logprobs)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -148,17 +102,14 @@ def _embed(old, new):
     return jax.tree.map(lambda o, n: n.at[tuple(slice(0, d) for d in o.shape)].set(o.astype(n.dtype)), old, new)
 
 
-def fork_seed(seed: int, choice: int) -> int:
-    """The seed of choice ``choice`` of a request with ``seed`` (choice 0 keeps it)."""
-    return (seed + choice * 0x9E3779B1) & 0xFFFFFFFF
-
-
 def _first_token(logits: jax.Array, params: dict, top_n: int | None = None, mask: jax.Array | None = None):
-    """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0), masked by ``mask``
+    """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0; -1 where they are not
+    finite), masked by ``mask``
     [B, W] if given; with ``top_n``, also its ``token_logprobs`` ([B, 1] leaves, unmasked logits)."""
     keys = row_keys({**params, "step": jnp.zeros_like(params["step"])})
     masked = logits if mask is None else apply_token_mask(logits, mask)
     tok = sample(masked, keys, params["temperature"], params["top_k"], params["top_p"])
+    tok = jnp.where(jnp.isfinite(logits).all(axis=-1), tok, -1)     # -1: the prefill's logits are broken
     if top_n is None:
         return tok
     return tok, token_logprobs(logits[:, None], tok[:, None], top_n)
@@ -215,6 +166,7 @@ class Generator:
         self._init_prefix_cache(prefix_cache, prefix_cache_host_gb, prefix_block)
         self.prefills = 0                                   # prompts prefilled (a request's choices share one)
         self.steps = 0                                      # decode steps run
+        self.faults = {"failed_requests": 0, "failed_steps": 0, "last_error": None}   # see ``step``
 
     def _init_prefix_cache(self, prefix, host_gb, block) -> None:
         if prefix is None or isinstance(prefix, (int, float)):
@@ -280,19 +232,19 @@ class Generator:
     def _step_impl(self, state, batch, active, force, cap, top_n: int | None = None):
         """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
         ``cap`` [B] int32: the most tokens a speculative row may emit this step. Returns (batch,
-        tokens [B, T], n [B]) and with ``top_n`` the ``token_logprobs`` of ``tokens`` ([B, T] leaves)
-        from the target model's logits (the verify logits when speculating)."""
+        tokens [B, T], n [B]: -1 for a row whose logits are not finite) and with ``top_n`` the
+        ``token_logprobs`` of ``tokens`` ([B, T] leaves) from the target model's logits (the verify
+        logits when speculating)."""
         model = nnx.merge(self._graphdef, state)
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
         if self.k:
-            out = speculative.spec_step(model, cache, carry, active, row_keys(params), params, self.k, force, cap,
-                                        with_logits=top_n is not None)
-            cache, carry, tokens, n = out[:4]
-            logits = out[4] if top_n is not None else None
+            cache, carry, tokens, n, logits = speculative.spec_step(model, cache, carry, active, row_keys(params),
+                                                                    params, self.k, force, cap, with_logits=True)
         else:
             logits, _, cache = model(carry["tok"][:, None], active[:, None], cache)
             carry, new = pick_next(carry["tok"], params, logits[:, 0], active, force)
             tokens, n = new[:, None], active.astype(jnp.int32)
+        n = flag_nonfinite(n, logits)
         params = {**params, "step": params["step"] + active.astype(jnp.int32)}
         batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
         if top_n is not None:
@@ -490,6 +442,9 @@ class Generator:
         first_lp = None
         if first_top is not None:
             first, out = first
+        if int(first[0]) < 0:
+            raise FloatingPointError("the model's logits for this prompt are not finite (NaN or inf)")
+        if first_top is not None:
             first_lp = records([int(first[0])], {key: v[0] for key, v in to_numpy(out).items()}, req.logprobs)
         if self.k:
             h = jnp.zeros((1, self.k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
@@ -534,32 +489,16 @@ class Generator:
         return bool(self._waiting) or any(self._rows)
 
     def step(self) -> bool:
-        """Admit waiting requests, then run one decode step for every active row. False if idle."""
+        """Admit waiting requests, then run one decode step for every active row. False if idle.
+
+        Faults stay with the request they belong to: an exception while admitting or prefilling a
+        request, or while handling its tokens, and a row whose logits are not finite, fail that
+        request (``_fail``) and the others go on. An exception from the step program itself fails
+        every running request and the batch is rebuilt for the next ones (``_fail_batch``)."""
         for r, req in enumerate(self._rows):
             if req is not None and req.cancelled:
                 self._finish(req, "cancelled")
-        while self._waiting:
-            with self._lock:
-                req = self._waiting[0]
-            if all(m.cancelled for m in [req] + req.forks):
-                with self._lock:
-                    self._waiting.popleft()
-                for m in [req] + req.forks:
-                    self._finish(m, "cancelled")
-                continue
-            try:
-                admitted = self._try_admit(req)
-            except MemoryError as e:               # can never fit: fail this request, not the engine
-                with self._lock:
-                    self._waiting.popleft()
-                for m in [req] + req.forks:
-                    m.stats["error"] = str(e)
-                    self._finish(m, "error")
-                continue
-            if not admitted:
-                break
-            with self._lock:
-                self._waiting.popleft()
+        self._admit_waiting()
         active = np.array([r is not None for r in self._rows], bool)
         if not active.any():
             return bool(self._waiting)
@@ -568,32 +507,93 @@ class Generator:
         top_n = top_bucket([r.logprobs for r in self._rows if r is not None and r.logprobs is not None])
         args = (jnp.asarray(active), jnp.asarray(force), jnp.asarray(cap))
         self.steps += 1
-        if any(r is not None and r.constraint is not None for r in self._rows):
-            out = self._masked_step(*args, top_n=top_n)
-        else:
-            out = self._step_fn(self._state, self._batch, *args, top_n=top_n)
-        self._batch, tokens, counts = out[:3]
-        tokens, counts = np.asarray(tokens), np.asarray(counts)
-        scored = to_numpy(out[3]) if top_n is not None else None
+        try:
+            if any(r is not None and r.constraint is not None for r in self._rows):
+                out = self._masked_step(*args, top_n=top_n)
+            else:
+                out = self._step_fn(self._state, self._batch, *args, top_n=top_n)
+            self._batch, tokens, counts = out[:3]
+            tokens, counts = np.asarray(tokens), np.asarray(counts)
+            scored = to_numpy(out[3]) if top_n is not None else None
+        except Exception as e:
+            self._fail_batch(e)
+            return True
         for r, req in enumerate(self._rows):
             if req is None:
                 continue
-            n = int(counts[r])
-            recs = None
-            if req.logprobs is not None:
-                recs = records(tokens[r, :n], {key: v[r] for key, v in scored.items()}, req.logprobs)
-            req.stats["steps"] += 1
-            req.raw.extend(tokens[r, :n].tolist())
-            if force[r] >= 0:
-                req.forcing.popleft()
-                req.stats["forced"] = req.stats.get("forced", 0) + 1
-            elif self.k:
-                req.stats["drafted"] += self.k
-                req.stats["accepted"] += n - 1
-                for i in range(n - 1):
-                    req.stats["accepted_by_position"][i] += 1
-            self._deliver(req, tokens[r, :n].tolist(), recs, forced=bool(force[r] >= 0))
+            try:
+                if counts[r] < 0:
+                    raise FloatingPointError("the model's logits for this request are not finite (NaN or inf)")
+                row_scores = None if scored is None else {key: v[r] for key, v in scored.items()}
+                self._take_step(req, tokens[r, :counts[r]].tolist(), row_scores, bool(force[r] >= 0))
+            except Exception as e:
+                self._fail(req, e)
         return True
+
+    def _admit_waiting(self) -> None:
+        """Admit waiting requests in order while rows and memory allow (see ``step`` on faults)."""
+        while self._waiting:
+            with self._lock:
+                req = self._waiting[0]
+            group = [req] + req.forks
+            if all(m.cancelled for m in group):
+                with self._lock:
+                    self._waiting.popleft()
+                for m in group:
+                    self._finish(m, "cancelled")
+                continue
+            try:
+                admitted = self._try_admit(req)
+            except Exception as e:
+                with self._lock:
+                    self._waiting.popleft()
+                if self._batch is not None and any(x.is_deleted() for x in jax.tree.leaves(self._batch)):
+                    self._fail_batch(e, group)      # a device program failed holding the batch
+                    continue
+                for m in group:                     # MemoryError: it can never fit (400); else 500
+                    self._fail(m, e, status=400 if isinstance(e, MemoryError) else 500)
+                continue
+            if not admitted:
+                break
+            with self._lock:
+                self._waiting.popleft()
+
+    def _take_step(self, req: Request, new: list[int], scored: dict | None, forced: bool) -> None:
+        """Record one step's tokens ``new`` of ``req`` (``scored``: their logprob leaves) and deliver them."""
+        recs = records(new, scored, req.logprobs) if req.logprobs is not None else None
+        req.stats["steps"] += 1
+        req.raw.extend(new)
+        if forced:
+            req.forcing.popleft()
+            req.stats["forced"] = req.stats.get("forced", 0) + 1
+        elif self.k:
+            req.stats["drafted"] += self.k
+            req.stats["accepted"] += len(new) - 1
+            for i in range(len(new) - 1):
+                req.stats["accepted_by_position"][i] += 1
+        self._deliver(req, new, recs, forced=forced)
+
+    def _fail(self, req: Request, e: BaseException, status: int = 500, logged: bool = False) -> None:
+        """End ``req`` with an error (``status`` 400: it can never be served here; 500: the engine
+        failed on it); its row is freed and nothing of it is cached."""
+        if status >= 500:
+            if not logged:
+                log.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
+            self.faults["failed_requests"] += 1
+            self.faults["last_error"] = f"{type(e).__name__}: {e}"
+        req.stats["error"] = str(e) if isinstance(e, MemoryError) else f"{type(e).__name__}: {e}"
+        req.stats["error_status"] = status
+        self._finish(req, "error")
+
+    def _fail_batch(self, e: BaseException, also: Sequence[Request] = ()) -> None:
+        """The step (or a program holding the batch) failed: fail every running request (and
+        ``also``), drop the batch, and start the next requests on a new one."""
+        log.error("the decode step failed; failing %d running request(s) and rebuilding the batch",
+                  sum(r is not None for r in self._rows), exc_info=e)
+        self.faults["failed_steps"] += 1
+        for req in [r for r in self._rows if r is not None] + [m for m in also if m not in self._rows]:
+            self._fail(req, e, logged=True)
+        self._rows, self._batch, self._B, self._L = [], None, 0, 0
 
     def _masked_step(self, active, force, cap, top_n):
         """The step split around the host's token bitmasks (``zoo.serving.masked_step``); returns
@@ -688,7 +688,12 @@ class Generator:
             req.finish_reason = reason
         if req in self._rows:
             r = self._rows.index(req)
-            if self.prefix is not None and req.raw:
+            if self.prefix is not None and req.raw and req.finish_reason != "error":   # a failed row's state
+                try:                                                                     # may be broken
+                    consumed = (req.prompt + req.raw)[:len(req.prompt) + len(req.raw) - 1]   # the last is pending
+                    self._snapshot(consumed, lambda: self._rows_io.row(self._state, self._batch, jnp.int32(r)))
+                except Exception:
+                    log.exception("caching a finished request's prefix failed; not cached")
                 consumed = (req.prompt + req.raw)[:len(req.prompt) + len(req.raw) - 1]   # the last is pending
                 self._snapshot(consumed, lambda: self._rows_io.row(self._state, self._batch, jnp.int32(r)))
             self._rows[r] = None
@@ -697,7 +702,10 @@ class Generator:
         first = not req.done.is_set()
         req.done.set()
         if first and req.on_finish is not None:
-            req.on_finish(req)
+            try:
+                req.on_finish(req)
+            except Exception:
+                log.exception("a request's on_finish callback failed")
 
     # -- Python API ---------------------------------------------------------------------------
     def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,

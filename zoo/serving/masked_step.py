@@ -16,7 +16,8 @@ step is cut where the logits exist, the host fills the masks while the device ru
                                                           -> batch, tokens [B, k+1], n [B]
 
 The parts compute exactly what the fused step computes (same keys, same order); with all-ones
-masks the tokens are the fused step's. Each program takes a static ``top_n`` (log-probabilities,
+masks the tokens are the fused step's. As there, a row whose logits are not finite comes back
+with n = -1 (``sampling.flag_nonfinite``). Each program takes a static ``top_n`` (log-probabilities,
 ``zoo.serving.logprobs``, from the unmasked target logits) where it produces tokens. Rows without a
 constraint get all-ones masks; a batch without any constrained row never comes here.
 """
@@ -29,7 +30,7 @@ from flax import nnx
 
 from zoo.serving import speculative
 from zoo.serving.logprobs import token_logprobs
-from zoo.serving.sampling import row_keys, sample
+from zoo.serving.sampling import flag_nonfinite, row_keys, sample
 from zoo.serving.token_mask import apply_token_mask
 from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import on_mesh
@@ -72,7 +73,7 @@ class MaskedPrograms:
         params = batch["params"]
         carry, new = pick_next(batch["carry"]["tok"], params, logits[:, 0], active, force, masks[:, 0])
         batch = {**batch, "carry": carry, "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
-        out = (batch, new[:, None], active.astype(jnp.int32))
+        out = (batch, new[:, None], flag_nonfinite(active.astype(jnp.int32), logits))
         return out + (token_logprobs(logits, new[:, None], top_n),) if top_n is not None else out
 
     def _draft(self, state, batch, active):
@@ -93,5 +94,5 @@ class MaskedPrograms:
         pending = {**pending, "h": pending["h"].astype(carry["h"].dtype)}
         batch = {"cache": shard_cache(cache), "carry": pending,
                  "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
-        out = (batch, tokens, n)
+        out = (batch, tokens, flag_nonfinite(n, p_logits))
         return out + (token_logprobs(p_logits, tokens, top_n),) if top_n is not None else out

@@ -3,6 +3,7 @@
     probs(logits [B, ..., V], temperature [B], top_k [B], top_p [B]) -> the sampling distribution
     draw(keys [B], p [B, V], greedy [B]) -> tokens [B]
     sample(logits [B, V], keys [B], temperature [B], top_k [B], top_p [B]) -> tokens [B] int32
+    flag_nonfinite(n [B], logits [B, ..., V]) -> n, with -1 where a row's logits hold a NaN or inf
 
 A row with ``temperature == 0`` takes the argmax; ``top_k == 0`` and ``top_p >= 1`` disable those
 filters. Keys are per row (derived from the request's seed and its own step count), so a request's
@@ -60,3 +61,10 @@ def draw(keys: jax.Array, p: jax.Array, greedy: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array) -> jax.Array:
     return draw(keys, probs(logits, temperature, top_k, top_p), temperature <= 0)
+
+
+def flag_nonfinite(n: jax.Array, logits: jax.Array) -> jax.Array:
+    """``n`` [B] (tokens a row emits this step) with -1 for each row whose ``logits`` [B, ..., V] are
+    not all finite: its state is broken, so the engine fails that request (and no other)."""
+    finite = jnp.isfinite(logits.reshape(logits.shape[0], -1)).all(axis=-1)
+    return jnp.where(finite, n, -1)

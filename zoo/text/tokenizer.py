@@ -9,6 +9,7 @@ templates use (``raise_exception``, ``tojson``, ``strftime_now``).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import re
 from pathlib import Path
@@ -105,6 +106,23 @@ class Tokenizer:
     def special_tokens(self) -> dict[int, str]:
         """id -> text of the special added tokens (control tokens such as ``<|im_end|>``)."""
         return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of input text one token can stand for, so that a text of c characters
+        has at least c / this many tokens; None where no bound holds (a model with an unknown
+        token that may swallow any span, a normalizer that may delete text). For BPE a token's
+        span is at most its piece's length (byte-level pieces spell UTF-8 bytes, ``<0xNN>`` one
+        byte); Unicode normalization may compose up to 4 characters into one."""
+        spec = json.loads(self._tok.to_str())
+        model, norm = spec.get("model") or {}, spec.get("normalizer")
+        if model.get("type") != "BPE" or (model.get("unk_token") is not None and not model.get("byte_fallback")):
+            return None
+        norms = [] if norm is None else norm.get("normalizers", [norm]) if norm.get("type") == "Sequence" else [norm]
+        if any(n.get("type") not in ("NFC", "NFD", "NFKC", "NFKD") for n in norms):
+            return None
+        longest = max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
+        return longest * (4 if norms else 1)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
