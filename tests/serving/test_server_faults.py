@@ -20,14 +20,18 @@ from zoo.serving.server import ServerThread, create_app
 KEY = "faults-key"
 HEADERS = {"x-api-key": KEY}
 LONG = 3000
+CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+ANY_CITY = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": True}}}}]      # `true`: any value (valid JSON Schema)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = scripted_model(tmp_path_factory.mktemp("faults-ckpt"), QWEN_TEMPLATE, ["tick " * LONG, "Hello there."])
+    model = scripted_model(tmp_path_factory.mktemp("faults-ckpt"), QWEN_TEMPLATE, ["tick " * LONG, "Hello there.",
+                                                                                 CALL])
     app = create_app(model, api_key=KEY, max_batch=4, keepalive_s=0.25, model_name="faults")
     with ServerThread(app) as s:
-        s.generator = app.state.service.engine.generator
+        s.generator, s.service = app.state.service.engine.generator, app.state.service
         yield s
 
 
@@ -73,7 +77,7 @@ def test_a_failed_step_ends_every_running_request_with_an_error_and_the_server_g
             raise RuntimeError("injected device fault")
         return real(*args, **kwargs)
     gen._step_fn = step
-    client = httpx.Client(base_url=server.url)
+    client = httpx.Client(base_url=server.url, timeout=60)
     oa, an = [], []
     oa_on, an_on = threading.Event(), threading.Event()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -105,10 +109,42 @@ def test_a_failed_step_ends_every_running_request_with_an_error_and_the_server_g
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello there."
 
 
+def test_a_tool_property_of_any_type_is_parsed(server):
+    body = {**chat(False, script=2, max_tokens=60), "tools": ANY_CITY}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=60)
+    assert r.status_code == 200
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_a_failure_while_rendering_the_output_is_an_error_of_that_request(server):
+    """A bug in the output's rendering (injected) fails that request in its API's format (a 500, an
+    in-band event in a stream, never a cut connection); the next request is served."""
+    service, calls = server.service, []
+
+    def broken(*args):
+        calls.append(1)
+        raise KeyError("injected rendering fault")
+    service._render = broken
+    try:
+        r = httpx.post(server.url + "/v1/chat/completions", json=chat(False, script=1, max_tokens=20),
+                       headers=HEADERS, timeout=60)
+        assert r.status_code == 500 and "injected rendering fault" in r.json()["error"]["message"]
+        out, on = [], threading.Event()
+        read_stream(httpx.Client(base_url=server.url), "/v1/messages", messages(script=1), on, out)
+        assert out[-1][0] == "error" and "injected rendering fault" in out[-1][1]["error"]["message"]
+    finally:
+        del service._render
+    assert calls
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat(False, script=1, max_tokens=20), headers=HEADERS,
+                   timeout=60)
+    assert r.json()["choices"][0]["message"]["content"] == "Hello there."
+
+
 def test_a_dead_engine_ends_the_requests_in_flight_and_new_ones_get_503(server):
     """Last in this module: the engine does not come back."""
     gen = server.generator
-    client = httpx.Client(base_url=server.url)
+    client = httpx.Client(base_url=server.url, timeout=60)
     out, on = [], threading.Event()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         stream = pool.submit(read_stream, client, "/v1/chat/completions", chat(True), on, out)

@@ -21,7 +21,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from zoo.serving.anthropic_request import CountRequest, MessagesRequest, render_prompt
-from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, collect_finished
+from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, collect_finished, guarded
 from zoo.serving.errors import ApiError, parse_body
 from zoo.serving.reasoning import Reasoning, Text
 from zoo.serving.tool_parsers import ToolCallArgs, ToolCallEnd, ToolCallStart
@@ -82,7 +82,8 @@ async def messages(request: Request):
     if body.context_management is not None:
         message["context_management"] = {"applied_edits": []}       # accepted, none applied
     if body.stream:
-        return EventSourceResponse(_stream(events, job, message, clipped, omit), ping=0, sep="\n")
+        return EventSourceResponse(guarded(_stream(events, job, message, clipped, omit),
+                                           lambda msg: _sse(ApiError(500, msg).anthropic_body())), ping=0, sep="\n")
     result = await collect_finished(events, request, job)
     if result is None:
         return None                         # the client is gone

@@ -11,21 +11,39 @@ message and tool blocks (validated, nothing cached); ``thinking`` of type ``enab
 out of the prompt until a ``tool_reference`` block names one); server tools (a ``type`` other
 than ``custom``: not run here, left out). Unknown fields are ignored; a malformed known field, or
 content this text-only server cannot take (images, documents), is a 400 naming it.
+
+Validation (``zoo.serving.errors.Body``: strict types, so ``1.0`` or ``true`` is no integer):
+``max_tokens`` 1..2**31-1, ``thinking.budget_tokens`` 1..2**31-1, ``top_k`` 0..2**31-1,
+``temperature`` 0..1, ``top_p`` (0, 1], at most 16 ``stop_sequences``; as the real API, every
+message needs non-empty content (``""`` or ``[]``) except a final assistant one, and a text block
+needs non-empty text (anywhere: messages, system, tool results); a custom tool's ``input_schema``
+must be a valid JSON Schema with ``"type": "object"`` (the 400 names the tool), a tool's ``name``
+match ``^[a-zA-Z0-9_-]{1,128}$``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from zoo.serving.chat import ChatPrompt, fold_system_messages
-from zoo.serving.errors import ApiError, validation_error
+from zoo.serving.errors import (
+    AnthropicToolName,
+    ApiError,
+    Body,
+    Budget,
+    MaxTokens,
+    TopK,
+    check_json_schema,
+    validation_error,
+)
 from zoo.serving.structured import response_format_grammar
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(Body):
+    pass
 
 
 class CacheControl(_Body):
@@ -40,6 +58,13 @@ class _Block(_Body):
 class TextBlock(_Block):
     type: Literal["text"]
     text: str
+
+    @field_validator("text")
+    @classmethod
+    def _not_empty(cls, text: str) -> str:
+        if not text:
+            raise PydanticCustomError("empty_text", "text content blocks must be non-empty")
+        return text
 
 
 class ImageBlock(_Block):
@@ -84,9 +109,9 @@ ResultBlock = TypeAdapter(Annotated[TextBlock | ImageBlock | ToolReferenceBlock,
 
 class Tool(_Body):
     type: str | None = None               # None or "custom": a client tool; anything else: a server tool
-    name: str = Field(min_length=1)
+    name: AnthropicToolName
     description: str | None = None
-    input_schema: dict | None = None
+    input_schema: dict | None = None       # a custom tool's: a JSON Schema of "type": "object" (checked)
     cache_control: CacheControl | None = None
     defer_loading: bool = False
 
@@ -94,10 +119,18 @@ class Tool(_Body):
     def custom(self) -> bool:
         return self.type in (None, "custom")
 
+    @field_validator("input_schema")
+    @classmethod
+    def _an_object_schema(cls, schema, info: ValidationInfo):
+        if schema is None or info.data.get("type") not in (None, "custom"):
+            return schema                   # a server tool's: not used here
+        return check_json_schema(schema, f"tool {info.data.get('name')!r}", object_type=True)
+
     @model_validator(mode="after")
     def _custom_tools_have_a_schema(self):
         if self.custom and self.input_schema is None:
-            raise ValueError("a custom tool needs input_schema")
+            raise PydanticCustomError("missing_schema", "tool {name!r}: a custom tool needs input_schema",
+                                      {"name": self.name})
         return self
 
 
@@ -108,7 +141,7 @@ class ToolChoice(_Body):
 
 class Thinking(_Body):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = Field(None, ge=1)   # enforced: </think> is forced after this many tokens
+    budget_tokens: Budget | None = None      # enforced: </think> is forced after this many tokens
     display: Literal["summarized", "omitted"] | None = None
 
 
@@ -149,12 +182,12 @@ class CountRequest(_Body):
 
 
 class MessagesRequest(CountRequest):
-    max_tokens: int = Field(ge=1)          # any size: the generation is clipped to the context
+    max_tokens: MaxTokens                  # any size up to 2**31-1: the generation is clipped to the context
     stop_sequences: list[str] | None = Field(None, max_length=16)
     stream: bool = False
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, le=2**31 - 1)
+    top_k: TopK = 0
 
 
 def _validate(adapter: TypeAdapter, block, where: str):
@@ -166,7 +199,7 @@ def _validate(adapter: TypeAdapter, block, where: str):
 
 def _blocks(content: str | list[dict], where: str) -> list:
     if isinstance(content, str):
-        return [TextBlock(type="text", text=content)]
+        return [TextBlock(type="text", text=content)] if content else []
     return [_validate(ContentBlock, b, f"{where}[{j}]") for j, b in enumerate(content)]
 
 
@@ -243,10 +276,14 @@ def template_messages(body: CountRequest) -> tuple[list[dict], str, list[str]]:
         raise ApiError(400, "messages: at least one user or assistant message is needed")
     for i, m in enumerate(body.messages):
         where = f"messages[{i}].content"
+        final_assistant = i == len(body.messages) - 1 and m.role == "assistant"
+        if not m.content and m.role != "system" and not final_assistant:
+            raise ApiError(400, f"{where}: empty (all messages must have non-empty content except for the "
+                                "optional final assistant message)", param=where)
         blocks = _blocks(m.content, where)
         if m.role == "system":
             out.append({"role": "system", "content": _text(blocks, where)})
-        elif i == len(body.messages) - 1 and m.role == "assistant":
+        elif final_assistant:
             prefill = _text([b for b in blocks if not isinstance(b, (ThinkingBlock, RedactedThinkingBlock))], where)
         elif m.role == "user":
             out += _user_turn(blocks, where, referenced)

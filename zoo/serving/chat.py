@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from zoo.serving.tool_parsers import CALL_OPEN, PARSERS, ToolCallArgs, ToolCallS
 # special tokens that are text to the parsers; every other special token is hidden from the output
 KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))
 KEEPALIVE = object()
+log = logging.getLogger("zoo.serve")
 POLL_S = 1.0           # non-streaming requests: how often to check that the client is still there
 
 
@@ -404,17 +406,17 @@ class Service:
             while True:
                 item = await job.next(tick)
                 if item is not TICK:
-                    tokens, done = item
-                    if len(job.logprobs) > scored:
-                        yield Logprobs(job.logprobs[scored:])
-                        scored = len(job.logprobs)
-                    text = decoder.feed(tokens)
-                    if decoder.stopped is not None and not done:
-                        job.cancel("stop")
-                        done = True
-                    if done:
-                        text += decoder.flush()
-                    events = coalesce(parser.feed(text) + (parser.flush() if done else []))
+                    try:
+                        records, events, done = self._render(job, item, decoder, parser, scored)
+                    except Exception as e:    # a bug in rendering this output: this request fails, in band
+                        log.exception("rendering a request's output failed")
+                        job.cancel()
+                        yield Finish("error", len(job.req.prompt), job.received,
+                                     error=f"the server failed to render the output: {type(e).__name__}: {e}")
+                        return
+                    if records:
+                        yield Logprobs(records)
+                        scored += len(records)
                     for e in events:
                         tool_calls |= isinstance(e, ToolCallStart)
                         yield e
@@ -429,6 +431,20 @@ class Service:
                     last = time.monotonic()
         finally:
             job.cancel()
+
+    @staticmethod
+    def _render(job: Job, item: tuple, decoder: TextDecoder, parser: OutputParser, scored: int):
+        """What ``job.next`` gave (``item``: tokens, done) as (new logprob records, answer events,
+        done); a stop string seen ends the request."""
+        tokens, done = item
+        records = job.logprobs[scored:]
+        text = decoder.feed(tokens)
+        if decoder.stopped is not None and not done:
+            job.cancel("stop")
+            done = True
+        if done:
+            text += decoder.flush()
+        return records, coalesce(parser.feed(text) + (parser.flush() if done else [])), done
 
     @staticmethod
     def _finish(job: Job, decoder: TextDecoder, tool_calls: bool) -> Finish:
@@ -477,6 +493,17 @@ async def collect(events: AsyncIterator, request) -> tuple[list, Finish | None]:
 
 
 _END = object()
+
+
+async def guarded(stream: AsyncIterator, error_event: Callable[[str], object]) -> AsyncIterator:
+    """The items of a response stream; if it raises, one ``error_event(message)`` ends it instead
+    of a connection cut without a word (a server bug stays an in-band error of that request)."""
+    try:
+        async for item in stream:
+            yield item
+    except Exception as e:
+        log.exception("a response stream failed")
+        yield error_event(f"internal error: {type(e).__name__}: {e}")
 
 
 async def merge_events(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

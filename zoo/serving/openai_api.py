@@ -12,6 +12,16 @@ chunks carrying those of the tokens that arrived with them; completions ``logpro
 gives the legacy object, and with ``echo`` the prompt's tokens first (the first one's logprob
 None). Completions take a list of prompts (one choice each, not streamed) and ``max_tokens: 0``
 with ``echo`` (prompt logprobs only: lm-evaluation-harness's log-likelihood requests).
+
+Validation (``zoo.serving.errors.Body``: strict types, unknown fields ignored): every numeric field
+is bounded (``max_tokens`` / ``max_completion_tokens`` 1..2**31-1, completions' ``max_tokens``
+0..2**31-1; ``n`` 1..16; ``top_k`` -1..2**31-1; ``seed`` int64; ``thinking_budget`` 1..2**31-1;
+``temperature`` 0..2; ``top_p`` (0, 1]; prompt token ids 0..2**31-1, then the vocabulary). Fields
+the engine does not implement are accepted at their neutral value only, else a 400 saying so:
+``presence_penalty`` / ``frequency_penalty`` (-2..2; 0), ``repetition_penalty`` (> 0; 1),
+``logit_bias`` (token-id keys, -100..100; empty), ``best_of`` (equal to ``n``). A tool's
+``function.parameters`` must be a valid JSON Schema, its ``name`` match ``^[a-zA-Z0-9_-]{1,64}$``.
+Every 400 names the field.
 """
 
 from __future__ import annotations
@@ -19,10 +29,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
@@ -34,10 +44,23 @@ from zoo.serving.chat import (
     OutputParser,
     collect_choices,
     content_text,
+    guarded,
     merge_events,
 )
 from zoo.serving.constraint import OutputGrammar
-from zoo.serving.errors import ApiError, parse_body
+from zoo.serving.errors import (
+    INT32_MAX,
+    ApiError,
+    Body,
+    Budget,
+    MaxTokens,
+    Seed,
+    TokenId,
+    TokenKey,
+    ToolName,
+    check_json_schema,
+    parse_body,
+)
 from zoo.serving.logprobs import MAX_TOP
 from zoo.serving.reasoning import Reasoning, Text
 from zoo.serving.structured import EXTENSIONS, request_grammar
@@ -46,18 +69,25 @@ from zoo.serving.tool_parsers import ToolCallArgs, ToolCallStart
 router = APIRouter()
 EFFORT_OFF = ("none", "minimal")       # reasoning_effort values that turn thinking off
 MAX_CHOICES = 16                       # n: at most this many choices (each takes a batch row)
-INT32_MAX = 2**31 - 1                  # the engine keeps top_k as int32
+MAX_STOPS = 16                         # stop: at most this many sequences
+# sampling fields the engine does not implement: only their neutral value is accepted (else a 400)
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(Body):
+    pass
 
 
 class FunctionDef(_Body):
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
-    parameters: dict | None = None
+    parameters: dict | None = None         # a JSON Schema (checked), or None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_json_schema(cls, value, info: ValidationInfo):
+        return None if value is None else check_json_schema(value, f"tool {info.data.get('name')!r}")
 
 
 class Tool(_Body):
@@ -74,13 +104,17 @@ class Sampling(_Body):
     model: str = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: MaxTokens | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, le=INT32_MAX)
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)        # not implemented: 0 only
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)       # not implemented: 0 only
+    repetition_penalty: float | None = Field(None, gt=0)             # vLLM's; not implemented: 1 only
+    logit_bias: dict[TokenKey, Annotated[float, Field(ge=-100, le=100)]] | None = None   # not implemented: {}
     response_format: dict | None = None
     structured_outputs: dict | None = None       # zoo extensions (vLLM's fields): see zoo.serving.structured
     guided_json: dict | str | None = None
@@ -98,28 +132,56 @@ class ChatRequest(Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     messages: list[dict] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: str | None = None
-    thinking_budget: int | None = Field(None, ge=1)   # zoo extension: force </think> after N reasoning tokens
+    thinking_budget: Budget | None = None      # zoo extension: force </think> after N reasoning tokens
     chat_template_kwargs: dict | None = None
 
 
+def _prompt_form(value) -> str | None:
+    """Which form of ``prompt`` a value is meant as (the first item decides for a list)."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        first = value[0] if value else 0
+        return "list[str]" if isinstance(first, str) else "list[list]" if isinstance(first, list) else "list[int]"
+    return None
+
+
+Prompt = Annotated[Annotated[str, Tag("str")] | Annotated[list[TokenId], Tag("list[int]")]
+                   | Annotated[list[str], Tag("list[str]")] | Annotated[list[list[TokenId]], Tag("list[list]")],
+                   Discriminator(_prompt_form, custom_error_type="prompt_type", custom_error_message=(
+                       "expected a string, a list of strings, a list of token ids or a list of lists of token ids"))]
+
+
 class CompletionRequest(Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)      # 0: the prompt's logprobs only (with echo)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)      # not implemented: only equal to n
 
 
 def parse(model: type[Sampling], raw: bytes):
     """Validate a JSON body (400 naming the first bad field) and what this server does not do."""
     body = parse_body(model, raw)
-    if isinstance(body.stop, list) and len(body.stop) > 16:
-        raise ApiError(400, "at most 16 stop sequences", param="stop")
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOPS:
+        raise ApiError(400, f"stop: at most {MAX_STOPS} stop sequences", param="stop")
+    for name, neutral in NEUTRAL.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            raise ApiError(400, f"{name}: {value} is not supported by this server (only {neutral:g}, no penalty)",
+                           param=name)
+    if body.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server (only an empty one)", param="logit_bias")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != body.n:
+        raise ApiError(400, f"best_of: {best_of} is not supported by this server (only best_of equal to n, "
+                            f"{body.n})", param="best_of")
     return body
 
 
@@ -136,10 +198,16 @@ def template_messages(messages: list[dict]) -> list[dict]:
             raise ApiError(400, f"messages[{i}].role: unknown role {role!r}", param=f"messages[{i}].role")
         msg = {"role": "system" if role == "developer" else role,
                "content": content_text(m.get("content"), f"messages[{i}].content")}
+        for name in ("reasoning_content", "tool_call_id", "name"):
+            if m.get(name) is not None and not isinstance(m[name], str):
+                raise ApiError(400, f"messages[{i}].{name}: expected a string", param=f"messages[{i}].{name}")
         if role == "assistant":
             if m.get("reasoning_content"):
-                msg["reasoning_content"] = str(m["reasoning_content"])
+                msg["reasoning_content"] = m["reasoning_content"]
             if m.get("tool_calls"):
+                if not isinstance(m["tool_calls"], list):
+                    raise ApiError(400, f"messages[{i}].tool_calls: expected a list of tool calls",
+                                   param=f"messages[{i}].tool_calls")
                 msg["tool_calls"] = [_template_call(tc, f"messages[{i}].tool_calls[{j}]")
                                      for j, tc in enumerate(m["tool_calls"])]
         if role == "tool":
@@ -152,7 +220,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 def _template_call(call: dict, where: str) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not fn.get("name"):
+    if not isinstance(fn, dict) or not fn.get("name") or not isinstance(fn["name"], str):
         raise ApiError(400, f"{where}: expected {{'function': {{'name': ..., 'arguments': ...}}}}", param=where)
     args = fn.get("arguments") or {}
     if isinstance(args, str):
@@ -169,8 +237,9 @@ def _tool_choice(body: ChatRequest) -> tuple[str, str | None]:
     choice = body.tool_choice or "auto"
     names = [t.function.name for t in body.tools or []]
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if choice.get("type") != "function" or name not in names:
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str) or name not in names:
             raise ApiError(400, f"tool_choice: no tool named {name!r} among the request's tools", param="tool_choice")
         return "function", name
     if choice not in ("auto", "none", "required"):
@@ -188,8 +257,11 @@ def _finish_reason(finish: Finish) -> str:
 
 
 def _error_event(finish: Finish) -> ServerSentEvent:
-    body = ApiError(500, finish.error or "generation failed").openai_body()
-    return ServerSentEvent(json.dumps(body), sep="\n")
+    return _error_sse(finish.error or "generation failed", finish.error_status)
+
+
+def _error_sse(message: str, status: int = 500) -> ServerSentEvent:
+    return ServerSentEvent(json.dumps(ApiError(status, message).openai_body()), sep="\n")
 
 
 def _model_card(name: str) -> dict:
@@ -240,7 +312,8 @@ async def chat_completions(request: Request):
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         render = service.logprob_renderer.chat if logprobs is not None else None
-        return EventSourceResponse(_chat_chunks(streams, jobs, head, usage, render), ping=0, sep="\n")
+        return EventSourceResponse(guarded(_chat_chunks(streams, jobs, head, usage, render), _error_sse),
+                                   ping=0, sep="\n")
     results = await collect_choices(streams, request, jobs)
     if results is None:
         return None                         # the client is gone
@@ -360,6 +433,7 @@ async def completions(request: Request):
     ids = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
+            service.check_prompt_chars(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
             ids.append(await run_in_threadpool(service.tokenizer.encode, p))
             if not ids[-1]:
                 raise ApiError(400, "prompt: empty", param="prompt")
@@ -389,7 +463,8 @@ async def completions(request: Request):
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         render = service.logprob_renderer.completion if body.logprobs is not None else None
-        return EventSourceResponse(_completion_chunks(streams, jobs, head, usage, render, len(prompts)),
+        return EventSourceResponse(guarded(_completion_chunks(streams, jobs, head, usage, render, len(prompts)),
+                                           _error_sse),
                                    ping=0, sep="\n")
     results = await collect_choices(streams, request, jobs)
     if results is None:

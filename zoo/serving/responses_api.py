@@ -38,7 +38,7 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, Logprobs, collect_finished
+from zoo.serving.chat import KEEPALIVE, POLL_S, Finish, Logprobs, collect_finished, guarded
 from zoo.serving.errors import ApiError, parse_body
 from zoo.serving.reasoning import Reasoning, Text
 from zoo.serving.responses_request import (
@@ -310,7 +310,8 @@ async def create_response(request: Request):
                       copy.deepcopy(response))
 
     if body.stream:
-        return EventSourceResponse(_stream(events, job, builder, keep), ping=0, sep="\n")
+        return EventSourceResponse(guarded(_stream(events, job, builder, keep), lambda msg: _sse(
+            {"type": "error", "code": "server_error", "message": msg, "param": None})), ping=0, sep="\n")
     result = await collect_finished(events, request, job)
     if result is None:
         return None                         # the client is gone

@@ -20,7 +20,11 @@ prompt, as Codex CLI and the ``openai`` SDK send it.
     values are ignored), top_logprobs, prompt_cache_key, metadata, text (format "text" only)
 
 Unknown fields are ignored; a malformed known field, an unknown item type, or content this
-text-only server cannot take (images, files, audio) is a 400 naming it.
+text-only server cannot take (images, files, audio) is a 400 naming it. Known fields are strict
+(``zoo.serving.errors.Body``: ``1.0`` or ``true`` is no integer) and bounded: ``max_output_tokens``
+1..2**31-1, ``top_logprobs`` 0..20, ``temperature`` 0..2, ``top_p`` (0, 1]; a function tool's
+``parameters`` must be a valid JSON Schema (the 400 names the tool), a tool's ``name`` match
+``^[a-zA-Z0-9_-]{1,64}$``.
 """
 
 from __future__ import annotations
@@ -28,31 +32,38 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from zoo.serving.chat import content_text as _text
 from zoo.serving.chat import fold_system_messages
-from zoo.serving.errors import ApiError, validation_error
+from zoo.serving.errors import ApiError, Body, MaxTokens, ToolName, check_json_schema, validation_error
+from zoo.serving.logprobs import MAX_TOP
 
 EFFORT_OFF = ("none", "minimal")       # reasoning efforts that turn thinking off
 SUMMARIES = ("auto", "concise", "detailed")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(Body):
+    pass
 
 
 class FunctionTool(_Body):
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
-    parameters: dict | None = None
+    parameters: dict | None = None         # a JSON Schema (checked), or None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_json_schema(cls, value, info: ValidationInfo):
+        return None if value is None else check_json_schema(value, f"tool {info.data.get('name')!r}")
 
 
 class NamespaceTool(_Body):
     type: Literal["namespace"]
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
     tools: list[dict]
 
@@ -63,9 +74,19 @@ class ReasoningConfig(_Body):
 
 
 class TextFormat(_Body):
-    """``{"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}``."""
+    """``{"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}`` (the
+    json_schema fields are kept as given, their types checked)."""
     model_config = ConfigDict(extra="allow")
     type: str = "text"
+
+    @model_validator(mode="after")
+    def _typed_extras(self):
+        for name, kind, label in (("name", str, "a string"), ("strict", bool, "a boolean"),
+                                  ("description", str, "a string")):
+            value = (self.model_extra or {}).get(name)
+            if value is not None and not isinstance(value, kind):
+                raise PydanticCustomError("format_field", "{name}: expected {label}", {"name": name, "label": label})
+        return self
 
 
 class TextConfig(_Body):
@@ -81,14 +102,14 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["auto", "none", "required"] | dict | None = None
     parallel_tool_calls: bool = True
     reasoning: ReasoningConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)      # any size: the generation is clipped to the context
+    max_output_tokens: MaxTokens | None = None      # up to 2**31-1: the generation is clipped to the context
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)    # with include "message.output_text.logprobs"
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)    # with include "message.output_text.logprobs"
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
@@ -151,7 +172,7 @@ def tool_choice(body: ResponsesRequest, tools: list[dict]) -> tuple[str, str | N
         if choice.get("type") != "function":
             raise ApiError(400, f"tool_choice: only function tools can be chosen here, got {choice.get('type')!r}",
                            param="tool_choice")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise ApiError(400, f"tool_choice: no function named {name!r} among the request's tools",
                            param="tool_choice")
         return "function", name
@@ -172,9 +193,16 @@ def _arguments(raw, where: str) -> dict:
     return args
 
 
+def _nonempty_str(value) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
 def _reasoning_text(item: dict, where: str) -> str:
     content = _text(item.get("content"), f"{where}.content")
-    return content or "\n".join(_text([s], f"{where}.summary") for s in item.get("summary") or [])
+    summary = item.get("summary") or []
+    if not isinstance(summary, list):
+        raise ApiError(400, f"{where}.summary: expected a list of summary_text parts", param=f"{where}.summary")
+    return content or "\n".join(_text([s], f"{where}.summary") for s in summary)
 
 
 def template_messages(instructions: str | None, items: list[dict], where: str = "input") -> list[dict]:
@@ -205,14 +233,14 @@ def template_messages(instructions: str | None, items: list[dict], where: str = 
             else:
                 out.append({"role": "user" if role == "user" else "system", "content": text})
         elif kind == "function_call":
-            if not item.get("name") or not item.get("call_id"):
-                raise ApiError(400, f"{at}: a function_call needs 'name' and 'call_id'", param=at)
+            if not _nonempty_str(item.get("name")) or not _nonempty_str(item.get("call_id")):
+                raise ApiError(400, f"{at}: a function_call needs 'name' and 'call_id' (strings)", param=at)
             last = out[-1] if out and out[-1]["role"] == "assistant" and not reasoning else assistant()
             last.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
                 "name": item["name"], "arguments": _arguments(item.get("arguments"), f"{at}.arguments")}})
         elif kind == "function_call_output":
-            if not item.get("call_id"):
-                raise ApiError(400, f"{at}: a function_call_output needs 'call_id'", param=at)
+            if not _nonempty_str(item.get("call_id")):
+                raise ApiError(400, f"{at}: a function_call_output needs 'call_id' (a string)", param=at)
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text(item.get("output"), f"{at}.output")})
         elif kind == "reasoning":

@@ -8,22 +8,24 @@
     /detokenize  {"model", "tokens": [int]} -> {"prompt": str}
 
 Exactly one of ``prompt`` and ``messages``; a token id outside the vocabulary is a 400 naming it.
+Fields are strict (``zoo.serving.errors.Body``: a number is no string, ``true`` no token id); a
+token id must be 0..2**31-1 before the vocabulary is checked; a tool's ``function.parameters``
+must be a valid JSON Schema.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from zoo.serving.errors import ApiError, parse_body
+from zoo.serving.errors import ApiError, Body, TokenId, parse_body
 from zoo.serving.openai_api import Tool, template_messages
 
 router = APIRouter()
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(Body):
+    pass
 
 
 class TokenizeRequest(_Body):
@@ -39,7 +41,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str = ""
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def _token_ids(service, body: TokenizeRequest) -> list[int]:

@@ -61,9 +61,10 @@ class _Arguments:
         self.pending = ""
 
     def key(self, name: str) -> str:
-        schema = self.properties.get(name) or {}
-        types = schema.get("type", "string")
-        types = [types] if isinstance(types, str) else list(types)
+        schema = self.properties.get(name) if isinstance(self.properties, dict) else None
+        types = schema.get("type", "string") if isinstance(schema, dict) else "string"   # `true`: any value
+        types = [types] if isinstance(types, str) else [t for t in types if isinstance(t, str)] \
+            if isinstance(types, list) else ["string"]
         self.streaming = not types or types == ["string"]
         self.pending = ""
         head = ("{" if self.count == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": "
