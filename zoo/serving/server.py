@@ -141,7 +141,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
 
 def _server(app: FastAPI, log_level: str, header_timeout_s: float, keepalive_timeout_s: float,
             drain_seconds: float) -> DrainingServer:
-    service = getattr(app.state, "service", None)
+    service = getattr(getattr(app, "state", None), "service", None)    # None: an app wrapped by middleware
     return transport.make_server(app, log_level=log_level, header_timeout_s=header_timeout_s,
                                  keepalive_timeout_s=keepalive_timeout_s, drain_seconds=drain_seconds,
                                  drain=service.engine.drain if service is not None else None)
