@@ -234,7 +234,9 @@ def test_first_signal_drains_a_second_exits_now():
 
 
 MEDIUM, LONG = "tock " * 30, "tick " * 4000     # ~90 tokens; as many as the context (4096) holds
-DRAIN = 3.0                  # seconds: the medium answer fits in it (at >= 30 tokens/s), the long one does not
+DRAIN = 6.0                  # seconds: the medium answer fits in it, the long one does not (see PACE)
+PACE = 0.02                  # seconds each decode step is held back: ~90 tokens take >= 1.8 s (still running
+                             # when the drain starts), 4000 take >= 80 s, however fast the machine
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +298,13 @@ def chat(i: int, max_tokens: int = 8000) -> dict:
 
 def test_drain_finishes_short_streams_ends_long_ones_in_band_and_refuses_new_requests(model):
     app = create_app(model, api_key=KEY, max_batch=3, keepalive_s=0.25, model_name="transport")
+    gen = app.state.service.engine.generator
+    real_step = gen._step_fn
+
+    def paced_step(*args, **kwargs):
+        time.sleep(PACE)
+        return real_step(*args, **kwargs)
+    gen._step_fn = paced_step
     with ServerThread(app, drain_seconds=DRAIN) as s:
         warm = httpx.post(s.url + "/v1/chat/completions", json=chat(0, 4), headers={"x-api-key": KEY}, timeout=120)
         assert warm.status_code == 200                      # compiled: the streams below run at decode speed
