@@ -3,26 +3,17 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 
 import anthropic
 import openai
 
+from tests.support.cli_serve import start_zoo_serve
+
 
 def test_zoo_serve_tiny_model():
-    proc = subprocess.Popen([sys.executable, "-m", "zoo", "serve", "--port", "0", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "ZOO_API_KEY": ""})
+    proc, printed = start_zoo_serve("--port", "0", "--log-level", "warning", env={"ZOO_API_KEY": ""})
     try:
-        printed = {}
-        for line in proc.stdout:
-            key, _, value = line.strip().partition(": ")
-            printed[key] = value.strip()
-            if key == "API key":
-                break
         assert printed["OpenAI base URL"].startswith("http://127.0.0.1:") and len(printed["API key"]) >= 24
         client = openai.OpenAI(base_url=printed["OpenAI base URL"], api_key=printed["API key"], max_retries=0)
         assert [m.id for m in client.models.list()] == ["qwen38-tiny"]
