@@ -1,0 +1,362 @@
+"""Train the embedded demo models (qwen38-tiny, glm53-tiny) on the synthetic chat corpus, export them
+and measure them. CPU is enough (the models are a few MB); needs the dev extra (the GLM start weights
+are drawn through transformers' model, as ``scripts/make_tiny_assets.py`` does).
+
+    PYTHONPATH=. .venv/bin/python scripts/train_demo_models.py [--model qwen38-tiny|glm53-tiny|both]
+        [--minutes 10] [--out /tmp/demo-models] [--seed 0] [--eval-per-family 20]
+
+For each model NAME, under OUT:
+
+    OUT/work/NAME/init/    the start checkpoint: a byte-level BPE tokenizer trained on the corpus
+                           (``zoo.train.templates.build_tokenizer``, 512 entries: the model keeps its
+                           shapes), ``configs/NAME.json`` with max_position_embeddings 32768 and the
+                           format's end-of-turn ids as eos_token_id, the format's chat template, and
+                           fresh random weights (``make_tiny_assets``' draws, same seed)
+    OUT/work/NAME/ckpt/    Orbax train states ``step_N`` (+ ``step_N.json``: trained seconds, batches)
+                           every ``--ckpt-minutes``; a rerun with the same arguments resumes from the
+                           newest one (``--fresh`` starts over)
+    OUT/NAME/              the trained model as an HF checkpoint (``zoo.train.export.export_hf``, bf16):
+                           config.json, model.safetensors, tokenizer.json, tokenizer_config.json; plus
+                           results.json (training curve, held-out numbers) and train_log.jsonl
+
+Training: ``zoo.train.step.Trainer`` with the LM loss and the MTP loss (``--mtp-weight``) on the loss
+mask of ``zoo.train.corpus.render`` (the assistant's tokens only); AdamW, linear warmup then cosine
+decay to a tenth over the *time* budget (the learning rate is an injected hyperparameter set from the
+fraction of the budget spent, so the schedule fits whatever steps the machine manages); every batch
+is fresh examples of the train split (seeded by the batch index: resuming continues the stream),
+bucketed to 32 x 128 or 16 x 256 tokens (two compiled shapes; longer dialogues, under 1%, dropped).
+
+Evaluation (after reloading the export with ``zoo.load(OUT/NAME)``, bf16): held-out questions
+(``split="eval"``, another seed: keys never trained on), greedy through the real engine
+(``Model.generate``, i.e. ``zoo.serving.generator.Generator``) on ``corpus.prompt(example, turn)``;
+each turn judged by ``corpus.check_answer`` (the server's reasoning and tool-call parsers). Reported:
+exact-answer accuracy per family (the final turn; tool families' answers after the given tool
+result), 2-digit addition apart (goal >= 90%), tool-call turns exact and well-formed (a parseable
+call with JSON arguments and no text; goal >= 95%), MTP speculative decoding with 3 draft tokens:
+acceptance per draft position, tokens per forward (goal >= 1.5) and tokens/s against plain decoding
+on the same prompts (the same outputs, greedy).
+
+Time: ``--minutes`` of training per model, plus ~1-2 minutes per model for tokenizer, start weights,
+compiles, export and evaluation (2 CPU cores). ``--minutes 1`` is a smoke test of the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import make_tiny_assets as mta  # noqa: E402
+
+from zoo.train import corpus, templates  # noqa: E402
+
+MODELS = ("qwen38-tiny", "glm53-tiny")
+BUCKETS = ((128, 32), (256, 16))        # (length, rows): the same tokens a batch (rows scaled by --batch-scale)
+CONTEXT = 32768
+
+
+# -- start checkpoint ---------------------------------------------------------------------------------
+def make_init(name: str, work: Path, seed: int) -> Path:
+    """The start checkpoint of ``name`` under ``work/init`` (see the module doc); returns it."""
+    init = work / "init"
+    if (init / "model.safetensors").is_file():
+        return init
+    fmt = templates.chat_format(name)
+    tok = templates.build_tokenizer(fmt.name, corpus.corpus_text(fmt.name, 3000, seed + 1, split="train"))
+    saved_assets = mta.ASSETS
+    mta.ASSETS = work                               # make_tiny_assets writes ASSETS/NAME: point it here
+    try:
+        {"qwen38-tiny": mta.make_qwen, "glm53-tiny": mta.make_glm}[name]()
+    finally:
+        mta.ASSETS = saved_assets
+    if init.exists():
+        shutil.rmtree(init)
+    (work / name).rename(init)
+    tok.save(init)                                  # our tokenizer and template replace the placeholder's
+    cfg = json.loads((ROOT / "configs" / f"{name}.json").read_text())
+    if tok._tok.get_vocab_size() > cfg["vocab_size"]:
+        raise ValueError(f"the tokenizer has {tok._tok.get_vocab_size()} entries, the model {cfg['vocab_size']}")
+    cfg.update(max_position_embeddings=max(CONTEXT, cfg["max_position_embeddings"]),
+               eos_token_id=[tok.token_to_id(s) for s in fmt.stops], pad_token_id=tok.token_to_id("<|endoftext|>"))
+    (init / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return init
+
+
+# -- data -----------------------------------------------------------------------------------------------
+def batches(arch: str, tok, seed: int, start: int = 0, scale: float = 1.0):
+    """Endless (index, Batch) of fresh train-split dialogues; batch ``i`` depends only on (seed, i)."""
+    from zoo.train.step import Batch
+    i = start
+    while True:
+        rng = np.random.default_rng([seed, i])
+        length, rows = BUCKETS[int(rng.random() < 0.3)]          # ~30% of the tokens are in long dialogues
+        rows = max(1, round(rows * scale))
+        ids, loss_mask, mask = (np.zeros((rows, length), np.int32) for _ in range(3))
+        got, k = 0, 0
+        while got < rows:
+            (ex,) = corpus.examples(arch, 1, f"{seed}/{i}/{k}")
+            k += 1
+            x, m = corpus.render(ex, None, tok)
+            if not (0 if length == BUCKETS[0][0] else BUCKETS[0][0]) < len(x) <= length:
+                continue
+            ids[got, :len(x)], loss_mask[got, :len(x)], mask[got, :len(x)] = x, m, 1
+            got += 1
+        yield i, Batch(ids, loss_mask, mask)
+        i += 1
+
+
+# -- training -----------------------------------------------------------------------------------------
+def lr_at(progress: float, step: int, peak: float, warmup: int) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine from ``peak`` to ``peak / 10`` over the budget."""
+    warm = min(1.0, (step + 1) / warmup)
+    return peak * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def train(name: str, init: Path, work: Path, args) -> tuple[object, list[dict]]:
+    import jax.numpy as jnp
+    import optax
+
+    import zoo
+    from zoo.train import checkpoint
+    from zoo.train.step import Trainer
+
+    model = zoo.load(str(init), dtype="float32")
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(
+        learning_rate=args.lr, b1=0.9, b2=0.98, weight_decay=0.01))
+    trainer = Trainer(model, opt, mtp_weight=args.mtp_weight)
+    ckpt_root, log_file = work / "ckpt", work / "train_log.jsonl"
+    state, trained_s, log = None, 0.0, []
+    if args.fresh and ckpt_root.exists():
+        shutil.rmtree(ckpt_root)
+        log_file.unlink(missing_ok=True)
+    if (last := checkpoint.latest(ckpt_root)) is not None:
+        state = checkpoint.restore(last, trainer.abstract_state())
+        trained_s = json.loads(last.with_suffix(".json").read_text())["trained_s"]
+        log = [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.exists() else []
+        print(f"[{name}] resumed from {last} (step {int(state.step)}, {trained_s:.0f} s trained)", flush=True)
+    else:
+        state = trainer.init()
+    budget = 60.0 * args.minutes
+    step = int(state.step)
+    data = batches(name, model.tokenizer, args.seed, start=step, scale=args.batch_scale)
+    acc: dict[str, list] = {}
+    last_ckpt = time.perf_counter()
+
+    def set_lr(state, lr):
+        clip, adam = state.opt_state
+        adam = adam._replace(hyperparams={**adam.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
+        return state._replace(opt_state=(clip, adam))
+
+    while trained_s < budget:
+        t0 = time.perf_counter()
+        _, batch = next(data)
+        lr = lr_at(trained_s / budget, step, args.lr, args.warmup)
+        state, metrics = trainer.step(set_lr(state, lr), batch)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        step += 1
+        for k in ("loss", "lm_loss", "lm_accuracy", "mtp_loss", "mtp_accuracy", "grad_norm"):
+            acc.setdefault(k, []).append(metrics.get(k, float("nan")))
+        acc.setdefault("tokens", []).append(int(np.asarray(batch.mask).sum()))
+        trained_s += time.perf_counter() - t0
+        if step % args.log_every == 0 or step == 1 or trained_s >= budget:
+            row = {"step": step, "trained_s": round(trained_s, 1), "lr": lr,
+                   **{k: round(float(np.mean(v)), 4) for k, v in acc.items() if k != "tokens"},
+                   "tokens_per_s": round(sum(acc["tokens"]) / max(1e-9, trained_s - (log[-1]["trained_s"]
+                                                                                  if log else 0.0)), 1)}
+            acc = {}
+            log.append(row)
+            with log_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"[{name}] step {step:5d} {trained_s:6.0f}s lr {lr:.2e} loss {row['loss']:.3f} "
+                  f"lm {row['lm_loss']:.3f} ({row['lm_accuracy']:.3f}) mtp {row['mtp_loss']:.3f} "
+                  f"({row['mtp_accuracy']:.3f}) {row['tokens_per_s']:.0f} tok/s", flush=True)
+        if time.perf_counter() - last_ckpt > 60 * args.ckpt_minutes or trained_s >= budget:
+            path = checkpoint.save_step(ckpt_root, state)
+            path.with_suffix(".json").write_text(json.dumps({"trained_s": trained_s, "step": step}))
+            for old in ckpt_root.glob("step_*"):          # keep the newest only
+                if old.is_dir() and old != path:
+                    shutil.rmtree(old)
+                    old.with_suffix(".json").unlink(missing_ok=True)
+            last_ckpt = time.perf_counter()
+    return trainer.merged(state), log
+
+
+# -- evaluation ---------------------------------------------------------------------------------------
+def well_formed_call(example, text: str) -> bool:
+    """Does ``text`` (a tool turn's output) parse, as the server parses it, into exactly one call with
+    JSON-object arguments and no other text (whatever the call)?"""
+    from zoo.serving.reasoning import ReasoningParser, Text, prompt_opens_reasoning
+    from zoo.serving.tool_parsers import PARSERS, ToolCallArgs, ToolCallStart
+    fmt = templates.chat_format(example.arch)
+    for s in fmt.stops:
+        text = text.split(s)[0]
+    for s in set(fmt.special) - corpus.KEEP:
+        text = text.replace(s, "")
+    reasoning = ReasoningParser(prompt_opens_reasoning(corpus.prompt(example, 0)))
+    parser = PARSERS[fmt.name](example.tools)
+    events = []
+    for e in reasoning.feed(text) + reasoning.flush():
+        events += parser.feed(e.text) if isinstance(e, Text) else []
+    events += parser.flush()
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    args = "".join(e.delta for e in events if isinstance(e, ToolCallArgs))
+    try:
+        ok = isinstance(json.loads(args), dict)
+    except ValueError:
+        ok = False
+    return ok and len(starts) == 1 and not "".join(e.text for e in events if isinstance(e, Text)).strip()
+
+
+def evaluate(name: str, path: Path, args) -> dict:
+    import zoo
+    model = zoo.load(str(path))
+    tok = model.tokenizer
+    arch = templates.chat_format(name).name
+    jobs = []                                       # (example, turn)
+    for fam in corpus.FAMILIES:
+        n = args.eval_per_family * (3 if fam == "add" else 1)
+        for ex in corpus.examples(arch, n, args.seed + 1000 + len(jobs), (fam,), split="eval"):
+            jobs += [(ex, t) for t in range(len(ex.turns()))]
+    prompts = [tok.encode(corpus.prompt(ex, t)) for ex, t in jobs]
+    gen = dict(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    model.generate([prompts[0]], max_new_tokens=4)                  # compile outside the timings
+    model.generate([prompts[0]], max_new_tokens=4, spec_tokens=args.spec_tokens)
+    runs = {}
+    for k in (0, args.spec_tokens):
+        t0 = time.perf_counter()
+        outs = model.generate(prompts, spec_tokens=k, **gen)
+        wall = time.perf_counter() - t0
+        runs[k] = (outs, wall, sum(len(o.tokens) for o in outs))
+    outs = runs[0][0]
+    per_family: dict[str, dict] = {}
+    calls = {"turns": 0, "exact": 0, "well_formed": 0}
+    add2 = [0, 0]
+    samples = []
+    for (ex, turn), out in zip(jobs, outs):
+        text = tok.decode(out.tokens, skip_special_tokens=False)
+        ok = corpus.check_answer(ex, text, turn)
+        is_call = bool(ex.messages[ex.turns()[turn]].get("tool_calls"))
+        if is_call:
+            calls["turns"] += 1
+            calls["exact"] += ok
+            calls["well_formed"] += well_formed_call(ex, text)
+        if turn == len(ex.turns()) - 1:
+            f = per_family.setdefault(ex.family, {"n": 0, "correct": 0})
+            f["n"] += 1
+            f["correct"] += ok
+            if ex.family == "add" and all(int(v) < 100 for v in ex.key.split(":")[1:]):
+                add2[0] += 1
+                add2[1] += ok
+        if len(samples) < 40 and not ok:
+            samples.append({"family": ex.family, "turn": turn, "question": ex.question, "want": ex.answer,
+                            "got": text[-300:]})
+    for f in per_family.values():
+        f["accuracy"] = f["correct"] / f["n"]
+    spec_outs, spec_wall, spec_tokens = runs[args.spec_tokens]
+    same = sum(a.tokens == b.tokens for a, b in zip(outs, spec_outs))
+    k = args.spec_tokens
+    steps = sum(o.stats["steps"] for o in spec_outs)
+    drafted = sum(o.stats["drafted"] for o in spec_outs)
+    by_pos = np.sum([o.stats["accepted_by_position"] for o in spec_outs], axis=0).tolist()
+    spec_steps = drafted // k if k else 0
+    total = sum(f["n"] for f in per_family.values())
+    return {
+        "eval_examples": len({id(ex) for ex, _ in jobs}), "eval_turns": len(jobs),
+        "accuracy": sum(f["correct"] for f in per_family.values()) / total,
+        "per_family": per_family,
+        "add_2digit": {"n": add2[0], "correct": add2[1], "accuracy": add2[1] / max(1, add2[0])},
+        "tool_calls": {**calls, "exact_rate": calls["exact"] / max(1, calls["turns"]),
+                       "well_formed_rate": calls["well_formed"] / max(1, calls["turns"])},
+        "spec": {"spec_tokens": k, "drafted": drafted, "accepted": sum(o.stats["accepted"] for o in spec_outs),
+                 "accepted_by_position": by_pos,
+                 "acceptance_by_position": [a / max(1, spec_steps) for a in by_pos],
+                 "steps": steps, "tokens": spec_tokens, "tokens_per_forward": spec_tokens / max(1, steps),
+                 "spec_tokens_per_s": spec_tokens / spec_wall, "plain_tokens_per_s": runs[0][2] / runs[0][1],
+                 "speedup": (spec_tokens / spec_wall) / (runs[0][2] / runs[0][1]),
+                 "identical_outputs": same / len(jobs)},
+        "failures": samples,
+    }
+
+
+def run(name: str, args) -> dict:
+    from zoo.train.export import export_hf
+    work = args.out / "work" / name
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    init = make_init(name, work, args.seed)
+    print(f"[{name}] start checkpoint {init} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    module, log = train(name, init, work, args)
+    out = args.out / name
+    if out.exists():
+        shutil.rmtree(out)
+    export_hf(module, init, out, dtype="bfloat16")
+    shutil.copy2(work / "train_log.jsonl", out / "train_log.jsonl")
+    print(f"[{name}] exported {out} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB)", flush=True)
+    t1 = time.perf_counter()
+    ev = evaluate(name, out, args)
+    results = {
+        "model": name, "seed": args.seed, "minutes": args.minutes, "mtp_weight": args.mtp_weight, "lr": args.lr,
+        "steps": log[-1]["step"] if log else 0, "trained_s": log[-1]["trained_s"] if log else 0,
+        "loss_start": log[0] if log else None, "loss_end": log[-1] if log else None,
+        "model_safetensors_bytes": (out / "model.safetensors").stat().st_size,
+        "eval_s": round(time.perf_counter() - t1, 1), **ev}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    table(results)
+    return results
+
+
+def table(r: dict) -> None:
+    s = r["spec"]
+    print(f"\n== {r['model']}: {r['steps']} steps in {r['trained_s']:.0f} s; loss {r['loss_start']['loss']:.3f} -> "
+          f"{r['loss_end']['loss']:.3f} (lm {r['loss_end']['lm_loss']:.3f}, acc {r['loss_end']['lm_accuracy']:.3f}; "
+          f"mtp {r['loss_end']['mtp_loss']:.3f}, acc {r['loss_end']['mtp_accuracy']:.3f})")
+    print(f"{'family':14s} {'n':>4s} {'acc':>6s}")
+    for fam, f in r["per_family"].items():
+        print(f"{fam:14s} {f['n']:4d} {f['accuracy']:6.1%}")
+    print(f"{'add 2-digit':14s} {r['add_2digit']['n']:4d} {r['add_2digit']['accuracy']:6.1%}   (goal >= 90%)")
+    print(f"{'all':14s} {sum(f['n'] for f in r['per_family'].values()):4d} {r['accuracy']:6.1%}")
+    c = r["tool_calls"]
+    print(f"tool-call turns {c['turns']}: exact {c['exact_rate']:.1%}, well-formed {c['well_formed_rate']:.1%} "
+          "(goal >= 95%)")
+    print(f"MTP k={s['spec_tokens']}: acceptance by position "
+          + ", ".join(f"{a:.2f}" for a in s["acceptance_by_position"])
+          + f"; {s['tokens_per_forward']:.2f} tokens/forward (goal >= 1.5); {s['spec_tokens_per_s']:.0f} vs "
+          f"{s['plain_tokens_per_s']:.0f} tok/s plain ({s['speedup']:.2f}x); identical outputs "
+          f"{s['identical_outputs']:.1%}; model.safetensors {r['model_safetensors_bytes'] / 1e6:.2f} MB\n", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=(*MODELS, "both"), default="both")
+    p.add_argument("--minutes", type=float, default=10.0, help="training time budget per model")
+    p.add_argument("--out", type=Path, default=Path("/tmp/demo-models"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--batch-scale", type=float, default=1.0, help="rows a batch: 32 x 128 / 16 x 256 times this")
+    p.add_argument("--mtp-weight", type=float, default=0.7)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--ckpt-minutes", type=float, default=2.0)
+    p.add_argument("--fresh", action="store_true", help="ignore earlier checkpoints of the run")
+    p.add_argument("--eval-per-family", type=int, default=20, help="held-out dialogues a family (add: 3x)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--spec-tokens", type=int, default=3)
+    args = p.parse_args()
+    args.out = args.out.absolute()
+    results = [run(name, args) for name in (MODELS if args.model == "both" else (args.model,))]
+    (args.out / "summary.json").write_text(json.dumps(
+        {r["model"]: {k: v for k, v in r.items() if k != "failures"} for r in results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
