@@ -10,7 +10,7 @@
       -> Model(module, config, tokenizer, load_info, mesh)
 
 The public contract (docs/architecture.md): ``zoo.load(name_or_path, *, quant=None, mesh=None, cache=None,
-dtype="bfloat16")``; ``Model.logits(input_ids, attention_mask=None) -> np.float32 [B, S, V]``;
+dtype="bfloat16", mtp=None)``; ``Model.logits(input_ids, attention_mask=None) -> np.float32 [B, S, V]``;
 ``Model.mtp_logits(input_ids) -> np.float32 [B, S-1, V]``; ``Model.generate`` / ``Model.stream``.
 """
 
@@ -31,6 +31,7 @@ from zoo import registry
 from zoo.loader.abstract import abstract_load
 from zoo.loader.fill import fill_from_source
 from zoo.loader.gguf_model import gguf_architecture, open_gguf
+from zoo.loader.overlay import apply_overlay, read_overlay
 from zoo.loader.recipes import recipe_of, sources_for, store_for, whole_gguf
 from zoo.models.architectures import BY_MODEL_NAME, architecture
 from zoo.models.config import load_config
@@ -142,7 +143,7 @@ def _load_abstract(name_or_path, quant: str | None, mesh, dtype: str) -> "Model"
 
 
 def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache=None,
-         dtype="bfloat16", weights: bool = True) -> "Model":
+         dtype="bfloat16", weights: bool = True, mtp=None) -> "Model":
     """Load a model by registry name, local HF checkpoint directory or GGUF file (see module doc).
 
     ``quant``: a recipe of the model's architecture (``zoo.models.recipes.recipes_for``), or None
@@ -151,11 +152,26 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
     is restored; otherwise the model is loaded from its sources and, with ``cache`` given, saved there.
     ``weights=False``: the abstract model (no weight file read, nothing allocated; ``_load_abstract``),
     for lowering and compiling the model's programs for a target (``zoo.tools.compile``).
+    ``mtp``: an MTP overlay directory (``zoo fit-mtp``; ``zoo.loader.overlay``): checked before the
+    model loads, applied after (its MTP parameters replace the checkpoint's, or add an MTP layer);
+    ``load_info["mtp_overlay"]`` describes it. The cache, if any, holds the model without it.
     """
     dtype_name = jnp.dtype(_dtype(dtype)).name
     mesh = resolve_mesh(mesh)
     if not weights:
+        if mtp is not None:
+            raise ValueError("an MTP overlay (mtp=) applies to loaded weights, not to weights=False")
         return _load_abstract(name_or_path, quant, mesh, dtype_name)
+    overlay = None if mtp is None else read_overlay(mtp)     # a missing or corrupt overlay fails first
+    model = _load_weights(name_or_path, quant, mesh, cache, dtype_name)
+    if overlay is None:
+        return model
+    module, cfg, info = apply_overlay(model.module, model.config, overlay, mesh, model.load_info.get("path"))
+    return Model(module, cfg, model.tokenizer, {**model.load_info, "mtp_overlay": info}, mesh=mesh)
+
+
+def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str) -> "Model":
+    """``load`` with weights: from a cache entry, else from the sources (saved to ``cache`` if given)."""
     known = BY_MODEL_NAME.get(str(name_or_path))
     if known is not None and not Path(name_or_path).expanduser().exists():
         recipe_of(quant, known.id)                           # an unknown recipe fails before any download
@@ -167,7 +183,7 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
     t_resolve = time.perf_counter()
     source, cfg, name_map, tokenizer, store, fmt = _open(ckpt, quant, dtype_name)
     model_class = architecture(cfg.arch).model_class()
-    abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=_dtype(dtype)))
+    abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES.get(dtype_name) or jnp.dtype(dtype_name)))
     module, unused = fill_from_source(abstract, source, name_map, store, mesh=mesh)
     t_fill = time.perf_counter()
     info = {"source": "source", "format": fmt, "path": str(ckpt), "dtype": dtype_name, "quant": quant,

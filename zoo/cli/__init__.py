@@ -7,6 +7,8 @@
     zoo plan | audit ...             memory plan, quantization audit (``zoo.tools.cli``)
     zoo cache build | ls | push | pull   repacked-weight caches and Kaggle datasets (``zoo.cli.cache``)
     zoo compile NAME --target v5e-8      the engine's programs compiled for a target chip (``zoo.cli.compile``)
+    zoo fit-mtp NAME --out DIR           fit an MTP head to the model as loaded, as an overlay (``zoo.cli.fit_mtp``);
+                                         ``serve`` / ``generate --mtp DIR`` apply it
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def _generate(args) -> int:
     import zoo
 
     t0 = time.perf_counter()
-    model = zoo.load(args.model, dtype=args.dtype)
+    model = zoo.load(args.model, quant=args.quant, dtype=args.dtype, mtp=args.mtp)
     load_s = time.perf_counter() - t0
     tok = model.tokenizer
     if tok is None:
@@ -82,7 +84,7 @@ def _serve(args) -> int:
 
         key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
         t0 = time.perf_counter()
-        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype)
+        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp)
         name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
         app = create_app(model, api_key=key, spec_tokens=args.spec, max_batch=args.max_batch,
                          prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
@@ -162,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
     s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
+    s.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
@@ -204,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipes)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
+    g.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
     g.set_defaults(fn=_generate)
 
     m = sub.add_parser("models", help="list registered models")
@@ -222,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_commands(sub)
     from zoo.cli import compile as compile_cli
     compile_cli.add_commands(sub)
+    from zoo.cli import fit_mtp
+    fit_mtp.add_commands(sub)
     return p
 
 

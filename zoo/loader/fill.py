@@ -94,8 +94,8 @@ def _stacked_view(source, slices: dict[int, str], target: Target, want) -> Stack
     return StackedSlices(source, [slices[i] for i in range(n)], target, want)
 
 
-def fill_from_source(abstract: nnx.Module, source: WeightSource, name_map: NameMap, store=dense_store, mesh=None
-                     ) -> tuple[nnx.Module, list[str]]:
+def fill_from_source(abstract: nnx.Module, source: WeightSource, name_map: NameMap, store=dense_store, mesh=None,
+                     select=None) -> tuple[nnx.Module, list[str]]:
     """Fill an abstract module's parameters from ``source``; returns (module, unused source keys).
 
     Each source tensor is read on its own and handed to ``store`` (see ``dense_store``); tensors that
@@ -103,10 +103,14 @@ def fill_from_source(abstract: nnx.Module, source: WeightSource, name_map: NameM
     view. With a ``mesh``, each parameter is placed shard by shard with the sharding its logical
     axes have there (``zoo.sharding.placement``). Raises ``SourceError`` naming the tensor on a shape
     mismatch or a missing slice, and naming the parameters that no source tensor provided.
+    ``select``: a predicate on dotted parameter paths; only those parameters are filled (and
+    required), the others keep their abstract values (an MTP overlay, ``zoo.loader.overlay``).
     """
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     params = {".".join(map(str, path)): var for path, var in flat}
+    if select is not None:
+        params = {path: var for path, var in params.items() if select(path)}
     filled, unused = set(), []
     sliced: dict[str, tuple[Target, dict[int, str]]] = {}
     for key in source.keys():

@@ -25,6 +25,12 @@ MTP layer's own (fresh) cache, row t at MTP position t, as the prefill lays them
 That is the decoder's first draft of a step; its later drafts chain the MTP layer on its own output
 (``MTP(o_i, d_i)``), which this loss does not train (the head is fitted at depth 1).
 
+``teacher`` (self-distillation): the MTP row t's target is the main model's own prediction at t+1
+(what the decoder's verify step compares a first draft with) instead of the batch's token x_{t+2}:
+``teacher=0.0`` its argmax (greedy acceptance), ``teacher=T > 0`` its distribution at temperature T
+(cross-entropy against softmax(logits / T)); the accuracy is then agreement with its argmax. The
+targets exist at every row, prompt or not, so any text trains the head.
+
 ``detach_hidden``: the MTP loss sends gradients to the MTP head's own parameters (``mtp.*``) only:
 h_t, and the embedding and output head the MTP layer shares with the model, are stop-gradient in
 its branch (fitting a head to a frozen model; the main model's loss is not affected).
@@ -102,10 +108,24 @@ def _mtp_only_view(model):
     return nnx.merge(graphdef, mtp, jax.lax.stop_gradient(rest))
 
 
+def teacher_stats(logits: jax.Array, teacher: jax.Array, weights: jax.Array, temperature: float) -> TokenStats:
+    """logits, teacher [B, N, V], weights [B, N] -> sums of the cross-entropy against the teacher's
+    argmax (``temperature`` 0) or its softmax at ``temperature``; hits: the argmaxes agree."""
+    teacher = jax.lax.stop_gradient(teacher.astype(jnp.float32))
+    target = jnp.argmax(teacher, axis=-1)
+    if not temperature:
+        return token_stats(logits, target, weights)
+    logits, weights = logits.astype(jnp.float32), weights.astype(jnp.float32)
+    nll = -jnp.sum(jax.nn.softmax(teacher / temperature, axis=-1) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    hit = (jnp.argmax(logits, axis=-1) == target).astype(jnp.float32)
+    return TokenStats(nll=jnp.sum(nll * weights), correct=jnp.sum(hit * weights), count=jnp.sum(weights))
+
+
 def mtp_stats(model, hidden: jax.Array, ids: jax.Array, loss_mask: jax.Array, mask: jax.Array, cache,
-              detach_hidden: bool = False) -> TokenStats:
-    """The MTP head's sums over rows t = 0..T-3 (see the module docstring); ``hidden`` and ``cache``
-    from ``full_forward`` (its MTP part is still fresh)."""
+              detach_hidden: bool = False, teacher: float | None = None, logits: jax.Array | None = None
+              ) -> TokenStats:
+    """The MTP head's sums over rows t = 0..T-3 (see the module docstring); ``hidden``, ``cache`` and
+    (with ``teacher``) ``logits`` from ``full_forward`` (its MTP part is still fresh)."""
     if getattr(model, "mtp", None) is None:
         raise ValueError("this model has no MTP layer")
     if ids.shape[1] < 3:
@@ -115,17 +135,20 @@ def mtp_stats(model, hidden: jax.Array, ids: jax.Array, loss_mask: jax.Array, ma
         h, model = jax.lax.stop_gradient(h), _mtp_only_view(model)
     rows = mask[:, :-2] & mask[:, 1:-1]
     draft, _, _ = model.mtp_forward(h, ids[:, 1:-1], rows, cache)
-    return token_stats(draft, ids[:, 2:], mtp_weights(loss_mask, mask))
+    if teacher is None:
+        return token_stats(draft, ids[:, 2:], mtp_weights(loss_mask, mask))
+    return teacher_stats(draft, logits[:, 1:-1], mtp_weights(loss_mask, mask), teacher)
 
 
 def batch_stats(model, ids: jax.Array, loss_mask: jax.Array, mask: jax.Array | None = None, *,
-                mtp: bool = False, detach_hidden: bool = False) -> dict[str, TokenStats]:
+                mtp: bool = False, detach_hidden: bool = False, teacher: float | None = None
+                ) -> dict[str, TokenStats]:
     """``{"lm": TokenStats}`` and with ``mtp`` also ``"mtp"``, from one full pass of ``model``."""
     mask = default_mask(ids, mask)
     logits, hidden, cache = full_forward(model, ids, mask)
     out = {"lm": token_stats(logits[:, :-1], ids[:, 1:], lm_weights(loss_mask, mask))}
     if mtp:
-        out["mtp"] = mtp_stats(model, hidden, ids, loss_mask, mask, cache, detach_hidden)
+        out["mtp"] = mtp_stats(model, hidden, ids, loss_mask, mask, cache, detach_hidden, teacher, logits)
     return out
 
 

@@ -9,6 +9,9 @@ Objective (``zoo.train.loss`` for the terms and their masks)::
 
     loss = lm_weight * mean_lm_nll + mtp_weight * mean_mtp_nll      (means over the batch's targets)
 
+``mtp_teacher`` (``zoo.train.loss``): None, the MTP term's targets are the batch's tokens; 0.0 or a
+temperature, the main model's own predictions (self-distillation, ``zoo.train.fit_mtp``).
+
 ``trainable`` (``zoo.train.select``): globs over parameter paths; only those parameters get gradients
 and optimizer state, the rest stay bit-identical (``"mtp.*"``: fit the MTP head to a frozen model,
 with ``lm_weight=0, detach_hidden=True``).
@@ -65,12 +68,13 @@ class Trainer:
     model: a ``zoo.Model`` (its mesh is used) or an NNX module; optimizer: any optax transformation;
     trainable: globs over parameter paths (None: all); lm_weight, mtp_weight: the objective's terms;
     detach_hidden: the MTP term trains the MTP head's own parameters only (``zoo.train.loss``);
-    micro_batches: rows of a batch per accumulation step = B / micro_batches.
+    micro_batches: rows of a batch per accumulation step = B / micro_batches; mtp_teacher: the MTP
+    term's targets (see the module docstring).
     """
 
     def __init__(self, model, optimizer: optax.GradientTransformation, *, trainable: Trainable = None,
                  lm_weight: float = 1.0, mtp_weight: float = 0.0, detach_hidden: bool = False,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, mtp_teacher: float | None = None):
         self.zoo_model = model if hasattr(model, "module") else None
         self.module = getattr(model, "module", model)
         self.mesh = getattr(model, "mesh", None)
@@ -81,6 +85,7 @@ class Trainer:
         self.optimizer = optimizer
         self.lm_weight, self.mtp_weight = float(lm_weight), float(mtp_weight)
         self.detach_hidden = bool(detach_hidden)
+        self.mtp_teacher = None if mtp_teacher is None else float(mtp_teacher)
         self.micro_batches = int(micro_batches)
         self.graphdef, self._params, self.frozen = split_trainable(self.module, trainable)
         bad = [dotted(p) for p, v in nnx.to_flat_state(self._params) if v.get_value().dtype != jnp.float32]
@@ -166,7 +171,8 @@ class Trainer:
 
     def _stats(self, params, frozen, batch: Batch, mtp: bool) -> dict[str, TokenStats]:
         model = nnx.merge(self.graphdef, params, frozen)
-        return batch_stats(model, batch.ids, batch.loss_mask, batch.mask, mtp=mtp, detach_hidden=self.detach_hidden)
+        return batch_stats(model, batch.ids, batch.loss_mask, batch.mask, mtp=mtp, detach_hidden=self.detach_hidden,
+                           teacher=self.mtp_teacher)
 
     def _objective(self, params, frozen, batch: Batch, counts: dict):
         stats = self._stats(params, frozen, batch, mtp=bool(self.mtp_weight))
