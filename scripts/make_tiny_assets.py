@@ -1,5 +1,8 @@
-"""Write the embedded tiny demo models ``zoo/assets/{qwen38-tiny,glm53-tiny}/`` (deterministic;
-run once, commit). Needs the dev extra (the GLM weights are drawn through transformers' model).
+"""Write *untrained* tiny demo models ``zoo/assets/{qwen38-tiny,glm53-tiny}/`` (deterministic). Needs
+the dev extra (the GLM weights are drawn through transformers' model). The shipped assets are the
+*trained* models of ``scripts/train_demo_models.py``, which calls this for its start weights (its
+own tokenizer and chat template replace the ones written here); running this directly replaces the
+shipped models with random ones.
 
     PYTHONPATH=. .venv/bin/python scripts/make_tiny_assets.py
 
@@ -7,7 +10,7 @@ Produces an HF-layout checkpoint: ``config.json`` (from ``configs/qwen38-tiny.js
 ``model.safetensors`` (bf16 random weights with a realistic spread, seeded, HF tensor names
 incl. ``mtp.*``), ``tokenizer.json`` (a byte-level BPE trained on a small built-in text so the vocabulary
 fits the model's 512 entries) and ``tokenizer_config.json`` with a ChatML template. The weights are
-random: the demo shows the machinery (tokenizer, cache, sampling, server), not language.
+random: such a model shows the machinery (tokenizer, cache, sampling, server), not language.
 """
 
 from __future__ import annotations

@@ -23,8 +23,10 @@ Training: ``zoo.train.step.Trainer`` with the LM loss and the MTP loss (``--mtp-
 mask of ``zoo.train.corpus.render`` (the assistant's tokens only); AdamW, linear warmup then cosine
 decay to a tenth over the *time* budget (the learning rate is an injected hyperparameter set from the
 fraction of the budget spent, so the schedule fits whatever steps the machine manages); every batch
-is fresh examples of the train split (seeded by the batch index: resuming continues the stream),
-bucketed to 32 x 128 or 16 x 256 tokens (two compiled shapes; longer dialogues, under 1%, dropped).
+is fresh examples of the train split (seeded by the batch index: resuming continues the stream), a
+third of them additions (``TRAIN_TASKS``), packed whole into ``--rows`` x ``--length`` tokens
+(``batches``). With ``--model both`` on a machine with two or more cores the two models train side by
+side, each in its own process on its own core (``side_by_side``; ``--sequential``: one after the other).
 
 Evaluation (after reloading the export with ``zoo.load(OUT/NAME)``, bf16): held-out questions
 (``split="eval"``, another seed: keys never trained on), greedy through the real engine
@@ -33,11 +35,15 @@ each turn judged by ``corpus.check_answer`` (the server's reasoning and tool-cal
 exact-answer accuracy per family (the final turn; tool families' answers after the given tool
 result), 2-digit addition apart (goal >= 90%), tool-call turns exact and well-formed (a parseable
 call with JSON arguments and no text; goal >= 95%), MTP speculative decoding with 3 draft tokens:
-acceptance per draft position, tokens per forward (goal >= 1.5) and tokens/s against plain decoding
-on the same prompts (the same outputs, greedy).
+acceptance per draft position, tokens per forward (goal >= 1.5), tokens/s against plain decoding
+on the same prompts, all in one batch (``bench/generate.py`` measures the speedup at 4 streams), and
+the fraction of outputs identical to plain decoding's (greedy; bf16 verify and decode steps can
+round a near tie apart).
 
-Time: ``--minutes`` of training per model, plus ~1-2 minutes per model for tokenizer, start weights,
-compiles, export and evaluation (2 CPU cores). ``--minutes 1`` is a smoke test of the whole pipeline.
+Time: ``--minutes`` (default 14) of training per model, plus ~3 minutes per model for the tokenizer,
+start weights, compiles, export and evaluation: ~17-18 minutes in all for both models side by side
+on 2 CPU cores. ``--minutes 1`` is a smoke test of the whole pipeline. Copy ``OUT/NAME/`` (without
+results.json and train_log.jsonl) to ``zoo/assets/NAME/`` to ship a model.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,7 +69,6 @@ import make_tiny_assets as mta  # noqa: E402
 from zoo.train import corpus, templates  # noqa: E402
 
 MODELS = ("qwen38-tiny", "glm53-tiny")
-BUCKETS = ((128, 32), (256, 16))        # (length, rows): the same tokens a batch (rows scaled by --batch-scale)
 CONTEXT = 32768
 
 
@@ -93,24 +100,43 @@ def make_init(name: str, work: Path, seed: int) -> Path:
 
 
 # -- data -----------------------------------------------------------------------------------------------
-def batches(arch: str, tok, seed: int, start: int = 0, scale: float = 1.0):
-    """Endless (index, Batch) of fresh train-split dialogues; batch ``i`` depends only on (seed, i)."""
+# The families a batch draws from (uniform over this tuple): addition, the headline goal and the
+# hardest family to learn, has a third of the dialogues and subtraction a ninth; every other family,
+# tool dialogues included, one eighteenth each. Evaluation weighs nothing: it reports each family.
+TRAIN_TASKS = ("add",) * 6 + ("sub",) * 2 + tuple(f for f in corpus.FAMILIES if f not in ("add", "sub"))
+
+
+def batches(arch: str, tok, seed: int, start: int = 0, rows: int = 8, length: int = 256, tasks=TRAIN_TASKS):
+    """Endless (index, Batch) of fresh train-split dialogues packed into ``rows`` x ``length`` tokens;
+    batch ``i`` depends only on (seed, i).
+
+    Packing: each row is filled first-fit from a buffer of 8 rendered dialogues (a dialogue is placed
+    whole, never cut; the buffer refills as it empties; a dialogue longer than ``length``, under 1%,
+    is dropped), so ~95% of a batch's tokens are real instead of ~50% with one dialogue a padded row.
+    Dialogues in one row see each other through attention (and the linear layers' state), as in
+    packed LM training; each starts with its template's own opening tokens, and the loss covers only
+    the assistant's tokens of each (``corpus.render``)."""
     from zoo.train.step import Batch
     i = start
     while True:
-        rng = np.random.default_rng([seed, i])
-        length, rows = BUCKETS[int(rng.random() < 0.3)]          # ~30% of the tokens are in long dialogues
-        rows = max(1, round(rows * scale))
+        draws = iter(range(10 ** 9))
+
+        def draw():
+            while True:
+                (ex,) = corpus.examples(arch, 1, f"{seed}/{i}/{next(draws)}", tasks)
+                x, m = corpus.render(ex, None, tok)
+                if len(x) <= length:
+                    return x, m
+
+        buffer = [draw() for _ in range(8)]
         ids, loss_mask, mask = (np.zeros((rows, length), np.int32) for _ in range(3))
-        got, k = 0, 0
-        while got < rows:
-            (ex,) = corpus.examples(arch, 1, f"{seed}/{i}/{k}")
-            k += 1
-            x, m = corpus.render(ex, None, tok)
-            if not (0 if length == BUCKETS[0][0] else BUCKETS[0][0]) < len(x) <= length:
-                continue
-            ids[got, :len(x)], loss_mask[got, :len(x)], mask[got, :len(x)] = x, m, 1
-            got += 1
+        for r in range(rows):
+            pos = 0
+            while (j := next((j for j, (x, _) in enumerate(buffer) if len(x) <= length - pos), None)) is not None:
+                x, m = buffer.pop(j)
+                ids[r, pos:pos + len(x)], loss_mask[r, pos:pos + len(x)], mask[r, pos:pos + len(x)] = x, m, 1
+                pos += len(x)
+                buffer.append(draw())
         yield i, Batch(ids, loss_mask, mask)
         i += 1
 
@@ -148,7 +174,7 @@ def train(name: str, init: Path, work: Path, args) -> tuple[object, list[dict]]:
         state = trainer.init()
     budget = 60.0 * args.minutes
     step = int(state.step)
-    data = batches(name, model.tokenizer, args.seed, start=step, scale=args.batch_scale)
+    data = batches(name, model.tokenizer, args.seed, start=step, rows=args.rows, length=args.length)
     acc: dict[str, list] = {}
     last_ckpt = time.perf_counter()
 
@@ -338,12 +364,13 @@ def table(r: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=(*MODELS, "both"), default="both")
-    p.add_argument("--minutes", type=float, default=10.0, help="training time budget per model")
+    p.add_argument("--minutes", type=float, default=14.0, help="training time budget per model")
     p.add_argument("--out", type=Path, default=Path("/tmp/demo-models"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--batch-scale", type=float, default=1.0, help="rows a batch: 32 x 128 / 16 x 256 times this")
+    p.add_argument("--rows", type=int, default=8, help="rows a batch")
+    p.add_argument("--length", type=int, default=256, help="tokens a row (dialogues packed whole)")
     p.add_argument("--mtp-weight", type=float, default=0.7)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--ckpt-minutes", type=float, default=2.0)
@@ -351,12 +378,41 @@ def main() -> None:
     p.add_argument("--eval-per-family", type=int, default=20, help="held-out dialogues a family (add: 3x)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--spec-tokens", type=int, default=3)
+    p.add_argument("--sequential", action="store_true",
+                   help="with --model both: train one model after the other on all cores (default: side by "
+                        "side, one process a model, each on its own core, when the machine has two or more)")
     args = p.parse_args()
     args.out = args.out.absolute()
-    results = [run(name, args) for name in (MODELS if args.model == "both" else (args.model,))]
+    names = MODELS if args.model == "both" else (args.model,)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(names) > 1 and not args.sequential and len(cores) >= len(names):
+        results = side_by_side(names, cores, args)
+    else:
+        results = [run(name, args) for name in names]
     (args.out / "summary.json").write_text(json.dumps(
         {r["model"]: {k: v for k, v in r.items() if k != "failures"} for r in results}, indent=2) + "\n")
 
+
+def side_by_side(names, cores, args) -> list[dict]:
+    """Each model in its own process of this script (``--model NAME``, the same other arguments),
+    pinned to one core with XLA's CPU backend single-threaded: a model this small runs a training step
+    about as fast on one core as on two (its ops are too small to split), so two models side by side
+    train twice as long in the same wall time. Returns their results.json."""
+    argv = [a for a in sys.argv[1:]]
+    if "--model" in argv:
+        k = argv.index("--model")
+        del argv[k:k + 2]
+    argv = [a for a in argv if not a.startswith("--model=")]
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                                       "intra_op_parallelism_threads=1").strip(), "JAX_PLATFORMS": "cpu"}
+    procs = []
+    for name, core in zip(names, cores):
+        procs.append(subprocess.Popen([sys.executable, __file__, "--model", name, *argv], env=env,
+                                      preexec_fn=lambda core=core: os.sched_setaffinity(0, {core})))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"training failed: exit codes {dict(zip(names, codes))}")
+    return [json.loads((args.out / name / "results.json").read_text()) for name in names]
 
 if __name__ == "__main__":
     main()

@@ -228,5 +228,6 @@ def write_overlay(out_dir, tensors: dict[str, np.ndarray], params: dict[str, str
                             for k, v in tensors.items()},
                 "base": base, "fit": fit}
     save_file(tensors, str(out / TENSORS_FILE), metadata={"format": "pt", "zoo": "mtp-overlay"})
+    (out / TENSORS_FILE).chmod(0o644)                       # safetensors writes it 0600, unlike its neighbours
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, default=str) + "\n")
     return manifest

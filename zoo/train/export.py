@@ -236,4 +236,5 @@ def export_hf(module: nnx.Module, template, out_dir, dtype=None) -> dict:
         if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
             shutil.copy2(f, out / f.name)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)                # safetensors writes it 0600, unlike its neighbours
     return {"path": out, "written": list(written), "copied": copied}
