@@ -1,12 +1,18 @@
-"""Decode throughput with and without MTP speculation, on the embedded tiny model.
+"""Decode throughput with and without MTP speculation, on an embedded demo model answering chat
+questions.
 
     PYTHONPATH=. .venv/bin/python bench/generate.py [--model glm53-tiny] [--tokens 128] [--streams 4] [--k 3]
+        [--path DIR]          a checkpoint of the same model instead of the embedded one (e.g. a new export)
 
-Prints, per configuration: tokens per model step, decode tokens/s, the ratio against plain
-decoding measured in the same run, and the device programs dispatched per decode step. Runs:
-plain; MTP on the tiny model (random MTP head: acceptance ~0, the worst case); MTP on a "bigram"
-variant whose MTP head agrees with the model (high acceptance); and the oracle ceiling, k+1 tokens
-per speculative step at the measured speculative step time.
+The prompts are held-out questions of ``zoo.train.corpus`` (one per family in turn, ``--streams`` at
+once) in the model's chat template, decoded greedily to their end of turn or ``--tokens``. Prints,
+per configuration: tokens per model forward (each row's tokens over its decode steps plus the
+prefill's), acceptance (overall and by draft position), decode tokens/s and the ratio against plain
+decoding measured in the same run, the device programs dispatched per decode step, and whether
+the outputs equal plain decoding's. Runs: plain; MTP with the model's own head (trained with the
+model: the real case); MTP on a "bigram" variant whose MTP head agrees with a degraded model (a
+high-acceptance reference); and the oracle ceiling, k+1 tokens per speculative step at the
+measured speculative step time.
 """
 
 from __future__ import annotations
@@ -34,17 +40,29 @@ def run(model: Model, k: int, prompts, n_tokens: int) -> dict:
     gen.generate(prompts, max_new_tokens=8)                 # compile every program once
     gen._step_fn = counted
     t0 = time.perf_counter()
-    gens = gen.generate(prompts, max_new_tokens=n_tokens)
+    gens = gen.generate(prompts, max_new_tokens=n_tokens, temperature=0.0)
     jax.block_until_ready(gen._batch)
     dt = time.perf_counter() - t0
     tokens = sum(len(g.tokens) for g in gens)
     steps = max(g.stats["steps"] for g in gens)
     row_steps = sum(g.stats["steps"] + 1 for g in gens)        # + the prefill's token
     drafted = sum(g.stats["drafted"] for g in gens)
-    return {"tok_s": tokens / dt, "tokens_per_step": tokens / row_steps,
+    spec_steps = drafted // k if k else 0
+    by_pos = [sum(g.stats["accepted_by_position"][i] for g in gens) / max(1, spec_steps) for i in range(k)]
+    return {"tok_s": tokens / dt, "tokens_per_step": tokens / row_steps, "by_position": by_pos,
+            "outputs": [g.tokens for g in gens],
             "step_s": dt / max(steps, 1),
             "acceptance": sum(g.stats["accepted"] for g in gens) / drafted if drafted else 0,
             "programs_per_step": calls["step"] / max(steps, 1)}
+
+
+def chat_prompts(model: Model, name: str, streams: int) -> list[list[int]]:
+    """``streams`` held-out questions of the corpus (families in turn) in ``model``'s chat template."""
+    from zoo.train import corpus
+    fams = [f for f in corpus.FAMILIES if f != "chat"]
+    exs = [corpus.examples(name, 1, 100 + i, (fams[i % len(fams)],), split="eval", tools=0.0, system=0.0)[0]
+           for i in range(streams)]
+    return [model.tokenizer.encode(corpus.prompt(ex, 0)) for ex in exs]
 
 
 def main() -> None:
@@ -53,24 +71,29 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--model", default="qwen38-tiny", choices=["qwen38-tiny", "glm53-tiny"])
+    ap.add_argument("--path", default=None, help="a checkpoint directory of --model to load instead")
     args = ap.parse_args()
-    tiny = zoo.load(args.model)
+    tiny = zoo.load(args.path or args.model)
     bigram = bigram_variant(tiny)
-    prompts = [[(7 * i + j) % 500 for j in range(24)] for i in range(args.streams)]
-    print(f"{args.model}: jax {jax.__version__} on {jax.devices()[0].platform}; "
-          f"{args.streams} streams x {args.tokens} tokens; k={args.k}")
+    prompts = chat_prompts(tiny, args.model, args.streams)
+    print(f"{args.model}: jax {jax.__version__} on {jax.devices()[0].platform}; {args.streams} chat questions x "
+          f"<= {args.tokens} tokens, greedy; k={args.k}")
     base = run(tiny, 0, prompts, args.tokens)
-    rows = [("plain", base), ("mtp, random head", run(tiny, args.k, prompts, args.tokens)),
-            ("mtp, bigram head", run(bigram, args.k, prompts, args.tokens))]
+    rows = [("plain", base), ("mtp, own head", run(tiny, args.k, prompts, args.tokens)),
+            ("mtp, bigram reference", run(bigram, args.k, prompts, args.tokens))]
     spec_step = rows[-1][1]["step_s"]
     oracle = {"tok_s": args.streams * (args.k + 1) / spec_step, "tokens_per_step": args.k + 1, "step_s": spec_step,
-              "acceptance": 1.0, "programs_per_step": rows[-1][1]["programs_per_step"]}
+              "acceptance": 1.0, "programs_per_step": rows[-1][1]["programs_per_step"],
+              "by_position": [1.0] * args.k, "outputs": None}
     rows.append(("mtp, oracle ceiling", oracle))
     for name, r in rows:
-        print(f"{name:22s} tokens/step {r['tokens_per_step']:5.2f}  acceptance {r['acceptance']:4.2f}  "
-              f"{r['tok_s']:8.1f} tok/s  ratio vs plain {r['tok_s'] / base['tok_s']:5.2f}x  "
-              f"programs/step {r['programs_per_step']:.2f}")
-
+        same = "" if r["outputs"] is None or name.startswith("mtp, bigram") else \
+            f"  same output as plain {sum(a == b for a, b in zip(r['outputs'], base['outputs']))}/{len(prompts)}"
+        print(f"{name:22s} tokens/forward {r['tokens_per_step']:5.2f}  acceptance {r['acceptance']:4.2f} "
+              f"[{', '.join(f'{a:.2f}' for a in r['by_position'])}]  {r['tok_s']:8.1f} tok/s  "
+              f"ratio vs plain {r['tok_s'] / base['tok_s']:5.2f}x  programs/step {r['programs_per_step']:.2f}{same}")
+    text = tiny.tokenizer.decode(rows[1][1]["outputs"][0], skip_special_tokens=False)
+    print(f"first answer (mtp): {text!r}")
 
 if __name__ == "__main__":
     main()

@@ -256,8 +256,9 @@ def test_tokenizer_from_the_embedded_vocabulary():
 
 
 def test_tokenizer_matches_the_hf_tokenizer_it_was_made_from(tmp_path):
-    """A gpt2-style vocabulary (the embedded demo model's tokenizer.json) written into a GGUF the way
-    llama.cpp's converter does encodes exactly as the HF tokenizer."""
+    """A byte-level BPE vocabulary (the embedded demo model's tokenizer.json, whose pre-tokenizer is
+    Qwen2's: digits one by one) written into a GGUF the way llama.cpp's converter does encodes
+    exactly as the HF tokenizer."""
     from gguf import GGUFValueType as T
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -269,13 +270,14 @@ def test_tokenizer_matches_the_hf_tokenizer_it_was_made_from(tmp_path):
     vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {t["content"] for t in spec["added_tokens"]}
-    meta = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.pre", "gpt2", T.STRING, None),
+    meta = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.pre", "qwen2", T.STRING, None),
             ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
             ("tokenizer.ggml.token_type", [3 if t in special else 1 for t in tokens], T.ARRAY, T.INT32),
             ("tokenizer.ggml.merges", [" ".join(m) for m in spec["model"]["merges"]], T.ARRAY, T.STRING)]
     path = write_gguf(tmp_path / "tok.gguf", "qwen35", meta, {"x": (np.ones(4, np.float32), QType.F32)})
     ours = tokenizer_from_gguf(GGUFSource(path))
-    for text in ["Hello world, it's 2026!", "  leading spaces\n\nand\ttabs", "<|im_start|>user\nhi<|im_end|>"]:
+    for text in ["Hello world, it's 2026!", "  leading spaces\n\nand\ttabs", "<|im_start|>user\nhi<|im_end|>",
+                 "What is 12345 + 678?"]:
         assert ours.encode(text) == hf.encode(text, add_special_tokens=False).ids, text
 
 

@@ -15,6 +15,7 @@ from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
 import zoo
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.serving import grammar as G
 from zoo.serving.chat import KEEP
 from zoo.serving.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
@@ -36,8 +37,10 @@ PROMPT = [1, 5, 9, 11, 40]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return zoo.load("qwen38-tiny", dtype="float32")
+def model(tmp_path_factory):
+    """The demo model's config and tokenizer with random weights: constraints are tested against
+    outputs the model did not learn to write, and sampling spreads over the vocabulary."""
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
 
 
 @pytest.fixture(scope="module")

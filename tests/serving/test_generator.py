@@ -69,7 +69,9 @@ def test_stop_string_truncates(model):
 def test_chat_template_and_roundtrip(model):
     tok = model.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
-    assert text == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    assert text == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n"   # thinking by default
+    off = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], enable_thinking=False)
+    assert off == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert tok.decode(tok.encode("Hello, world! 123"), skip_special_tokens=False) == "Hello, world! 123"
     assert tok.eos_token_ids == (tok.token_to_id("<|im_end|>"),)
 

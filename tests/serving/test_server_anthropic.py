@@ -25,7 +25,7 @@ SCRIPTS = [
     "one two END three",
     "<tool_call>get_weather<arg_key>days</arg_key><arg_value>" + "1" * 200 + "</arg_value></tool_call>",
     "<think>first second third fourth fifth sixth seventh eighth ninth tenth</think>Done.",
-    "tick " * 150,
+    "tick " * 600,                                  # more tokens than the context holds
 ]
 THINK, TOOL, NAMED, STOP, SLOW, LONG, ENDLESS = range(7)
 TOOLS = [{"name": "get_weather", "description": "Weather forecast", "input_schema": {

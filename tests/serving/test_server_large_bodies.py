@@ -34,11 +34,11 @@ def small_context(tmp_path_factory):
 
 
 def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(small_context):
-    text = "word " * 200_000                                   # 1 MB; the context is 4096 tokens
+    text = "word " * 200_000                                   # 1 MB; the context is 32768 tokens
     with httpx.Client(base_url=small_context.url, headers=HEADERS, timeout=60) as c:
         r = c.post("/v1/chat/completions", json=chat_body(text))
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert "characters, more than the model's context of 4096 tokens can hold" in r.json()["error"]["message"]
+        assert "characters, more than the model's context of 32768 tokens can hold" in r.json()["error"]["message"]
         r = c.post("/v1/messages", json=anthropic_body(text))
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         assert "characters" in r.json()["error"]["message"]

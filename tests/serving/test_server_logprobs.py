@@ -11,6 +11,7 @@ import openai
 import pytest
 
 import zoo
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.serving.logprob_render import LogprobRenderer
 from zoo.serving.server import ServerThread, create_app
 
@@ -21,8 +22,10 @@ MESSAGES = [{"role": "user", "content": "Hello, zoo"}]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return zoo.load("qwen38-tiny", dtype="float32")
+def model(tmp_path_factory):
+    """The demo model's config and tokenizer with random weights and a plain ChatML template (answers
+    with no reasoning block; log-probabilities spread over the vocabulary)."""
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,14 @@
 """Prefix caching as the API surfaces report it, over real HTTP on 127.0.0.1 with the official
-``openai`` and ``anthropic`` SDKs, on the embedded tiny model (its own chat template): an agent-like
+``openai`` and ``anthropic`` SDKs, on the embedded tiny model with a plain ChatML template: an agent-like
 conversation resent whole every turn reads its earlier turns from the cache
 (``usage.prompt_tokens_details.cached_tokens``, responses' ``input_tokens_details``, Anthropic's
 ``cache_read_input_tokens`` / ``cache_creation_input_tokens`` with ``cache_control`` marks), the
-answers equal those of a server without the cache (greedy), and ``/metrics`` counts it."""
+answers equal those of a server without the cache (greedy), and ``/metrics`` counts it.
+
+ChatML renders an earlier assistant turn exactly as it was generated, so a resent conversation
+matches the cache to the end of the previous answer. The model's own template drops earlier turns'
+reasoning (as Qwen's does): a resent conversation then leaves the cached path where the previous
+prompt opened its reasoning block, and reads back what came before it."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import openai
 import pytest
 
 import zoo
+from tests.support.random_checkpoints import CHATML
+from tests.support.serving_helpers import checkpoint_with_template
 from zoo.serving.server import ServerThread, create_app
 
 KEY = "prefix-key"
@@ -20,8 +27,8 @@ SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i}: answer briefly a
 
 
 @pytest.fixture(scope="module")
-def model():
-    return zoo.load("qwen38-tiny", dtype="float32")
+def model(tmp_path_factory):
+    return zoo.load(checkpoint_with_template(tmp_path_factory.mktemp("chatml"), CHATML), dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 import zoo
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from tests.support.serving_helpers import GLM_TEMPLATE, QWEN_TEMPLATE, checkpoint_with_template
 from zoo.serving.generator import fork_seed
 from zoo.serving.server import ServerThread, create_app
@@ -36,8 +37,9 @@ class Lookup(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def model():
-    return zoo.load("qwen38-tiny", dtype="float32")
+def model(tmp_path_factory):
+    """The demo model's config and tokenizer with random weights and a plain ChatML template."""
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
 
 
 def serve(model, **kwargs):

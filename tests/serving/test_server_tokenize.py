@@ -49,7 +49,7 @@ def test_tokenize_messages(server):
         expected = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=gen_prompt))
         assert r.json()["tokens"] == expected and r.json()["count"] == len(expected)
     with_prompt = post(server, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
-    assert tok.decode(with_prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert tok.decode(with_prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n<think>\n")
 
 
 def test_bad_input_is_a_400_naming_it(server):

@@ -117,3 +117,28 @@ def write_random_checkpoint(path: Path, config: dict, seed: int = 0) -> Path:
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+# The chat template of the untrained demo models: plain ChatML, no reasoning block, no tools.
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def random_tiny_checkpoint(path: Path, name: str = "qwen38-tiny", template: str | None = CHATML, seed: int = 0
+                           ) -> Path:
+    """An embedded demo model with *random* weights: its config and tokenizer, weights drawn here (the
+    MTP head too: drafts are almost never accepted) and ``template`` as its chat template (None: the
+    shipped one). For tests that need a model with no learned preferences: sampling spreads over the
+    vocabulary, a constraint is tested against outputs the model did not learn to write, an MTP head
+    has everything to gain from fitting. The shipped demo models are trained (``tests/test_demo_models.py``)."""
+    import shutil
+
+    from zoo.registry import embedded_path
+    src, path = embedded_path(name), Path(path)
+    write_random_checkpoint(path, json.loads((src / "config.json").read_text()), seed)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, path / f)
+    if template is not None:
+        spec = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**spec, "chat_template": template}))
+    return path

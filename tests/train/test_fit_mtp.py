@@ -27,6 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 import zoo
 from tests.support.paths import DATA
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.api import resolve
 from zoo.cli import build_parser, main
 from zoo.loader.overlay import MANIFEST_FILE, TENSORS_FILE, OverlayError, apply_overlay, read_overlay, write_overlay
@@ -34,7 +35,16 @@ from zoo.quant.qarray import QArray
 from zoo.serving.generator import Generator
 from zoo.train.fit_mtp import FitResult, _training_model, acceptance, default_prompts, save_overlay
 
-TINY = "qwen38-tiny"
+TINY = "qwen38-tiny"                    # replaced by the random checkpoint below for every test here
+
+
+@pytest.fixture(scope="module", autouse=True)
+def random_tiny(tmp_path_factory):
+    """The demo Qwen model's config and tokenizer with random weights: its MTP head never agrees with
+    the model (the shipped one is trained and already does), so fitting has everything to gain."""
+    global TINY
+    TINY = str(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny"), template=None))
+    yield TINY
 FIT = ["--quant", "Q8_0", "--steps", "30", "--n-prompts", "26", "--n-eval", "6", "--new-tokens", "16",
        "--lr", "3e-3", "--seed", "0"]
 

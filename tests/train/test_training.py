@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import zoo
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.serving.generator import Generator
 from zoo.sources.safetensors import SafetensorsSource
 from zoo.train import checkpoint
@@ -52,8 +53,11 @@ def run(trainer: Trainer, steps: int):
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {name: zoo.load(name, dtype="float32") for name in MODELS}
+def models(tmp_path_factory):
+    """Each demo model's config and tokenizer with random weights (the shipped ones are trained: their
+    MTP heads already agree, and their loss on these batches is not a fresh model's)."""
+    return {name: zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name, template=None), dtype="float32")
+            for name in MODELS}
 
 
 @pytest.fixture(scope="module")
