@@ -398,7 +398,7 @@ def side_by_side(names, cores, args) -> list[dict]:
     pinned to one core with XLA's CPU backend single-threaded: a model this small runs a training step
     about as fast on one core as on two (its ops are too small to split), so two models side by side
     train twice as long in the same wall time. Returns their results.json."""
-    argv = [a for a in sys.argv[1:]]
+    argv = list(sys.argv[1:])
     if "--model" in argv:
         k = argv.index("--model")
         del argv[k:k + 2]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -131,8 +132,6 @@ def random_tiny_checkpoint(path: Path, name: str = "qwen38-tiny", template: str 
     shipped one). For tests that need a model with no learned preferences: sampling spreads over the
     vocabulary, a constraint is tested against outputs the model did not learn to write, an MTP head
     has everything to gain from fitting. The shipped demo models are trained (``tests/test_demo_models.py``)."""
-    import shutil
-
     from zoo.registry import embedded_path
     src, path = embedded_path(name), Path(path)
     write_random_checkpoint(path, json.loads((src / "config.json").read_text()), seed)
