@@ -136,24 +136,26 @@ def write_weights(out: Path, tensors: dict[str, np.ndarray]) -> None:
     print(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB)")
 
 
-def make_qwen() -> None:
+def make_qwen(overrides: dict | None = None) -> None:
+    """``overrides``: config fields that replace ``configs/qwen38-tiny.json``'s (the demo model's own)."""
     out = fresh("qwen38-tiny")
-    cfg = json.loads((ROOT / "configs" / "qwen38-tiny.json").read_text())
+    cfg = {**json.loads((ROOT / "configs" / "qwen38-tiny.json").read_text()), **(overrides or {})}
     cfg = write_tokenizer(out, cfg, SPECIAL, "<|im_end|>", CHAT_TEMPLATE)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     write_weights(out, hf_tensors(cfg, np.random.default_rng(SEED)))
 
 
-def make_glm() -> None:
+def make_glm(overrides: dict | None = None) -> None:
     """GLM weights drawn through transformers' own model (realistic spread, the real key names),
-    saved as a flat text-only checkpoint plus the MTP layer ``layers.{N}``."""
+    saved as a flat text-only checkpoint plus the MTP layer ``layers.{N}``; ``overrides`` as
+    ``make_qwen``'s."""
     import torch
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
     from tests.models.glm53 import reference as ref
 
     out = fresh("glm53-tiny")
-    cfg = json.loads((ROOT / "configs" / "glm53-tiny.json").read_text())
+    cfg = {**json.loads((ROOT / "configs" / "glm53-tiny.json").read_text()), **(overrides or {})}
     cfg = write_tokenizer(out, cfg, GLM_SPECIAL, "<|user|>", GLM_CHAT_TEMPLATE)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     text = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}

@@ -3,15 +3,17 @@ and measure them. CPU is enough (the models are a few MB); needs the dev extra (
 are drawn through transformers' model, as ``scripts/make_tiny_assets.py`` does).
 
     PYTHONPATH=. .venv/bin/python scripts/train_demo_models.py [--model qwen38-tiny|glm53-tiny|both]
-        [--minutes 10] [--out /tmp/demo-models] [--seed 0] [--eval-per-family 20]
+        [--minutes 15] [--out /tmp/demo-models] [--seed 0] [--eval-per-family 20] [--thinking 0.75]
 
 For each model NAME, under OUT:
 
     OUT/work/NAME/init/    the start checkpoint: a byte-level BPE tokenizer trained on the corpus
                            (``zoo.train.templates.build_tokenizer``, 512 entries: the model keeps its
                            shapes), ``configs/NAME.json`` with max_position_embeddings 32768 and the
-                           format's end-of-turn ids as eos_token_id, the format's chat template, and
-                           fresh random weights (``make_tiny_assets``' draws, same seed)
+                           format's end-of-turn ids as eos_token_id, ``DEMO_CONFIG``'s fields, the
+                           format's chat template, and fresh random weights (``make_tiny_assets``'
+                           draws, same seed; GLM's hyper-connections start as plain residuals,
+                           ``residual_init_hyper_connections``)
     OUT/work/NAME/ckpt/    Orbax train states ``step_N`` (+ ``step_N.json``: trained seconds, batches)
                            every ``--ckpt-minutes``; a rerun with the same arguments resumes from the
                            newest one (``--fresh`` starts over)
@@ -19,30 +21,32 @@ For each model NAME, under OUT:
                            config.json, model.safetensors, tokenizer.json, tokenizer_config.json; plus
                            results.json (training curve, held-out numbers) and train_log.jsonl
 
-Training: ``zoo.train.step.Trainer`` with the LM loss and the MTP loss (``--mtp-weight``) on the loss
-mask of ``zoo.train.corpus.render`` (the assistant's tokens only); AdamW, linear warmup then cosine
-decay to a tenth over the *time* budget (the learning rate is an injected hyperparameter set from the
-fraction of the budget spent, so the schedule fits whatever steps the machine manages); every batch
-is fresh examples of the train split (seeded by the batch index: resuming continues the stream), a
-third of them additions (``TRAIN_TASKS``), packed whole into ``--rows`` x ``--length`` tokens
-(``batches``). With ``--model both`` on a machine with two or more cores the two models train side by
-side, each in its own process on its own core (``side_by_side``; ``--sequential``: one after the other).
+Training: ``zoo.train.step.Trainer`` with the LM loss and the MTP loss (``--mtp-weight``) on the loss mask of
+``zoo.train.corpus.render`` (the assistant's tokens only); AdamW, linear warmup then cosine decay to a tenth
+over the *time* budget (the learning rate is an injected hyperparameter set from the fraction of the budget
+spent, so the schedule fits whatever steps the machine manages); every batch is fresh examples of the train
+split (seeded by the batch index: resuming continues the stream), 45% of them additions (``TRAIN_TASKS``),
+packed whole into ``--rows`` x ``--length`` tokens (``batches``; 2 x 256 at a peak learning rate of 2e-3: at a
+fixed number of tokens a second, 4x more and smaller steps than 8 x 256 at 5e-3, which on addition alone for 5
+minutes took qwen's held-out 2-digit sums with thinking from 0% to 100%). Each model's config is
+``configs/NAME.json`` with ``DEMO_CONFIG``'s fields (``--config`` adds more). With ``--model both`` on a
+machine with two or more cores the two models train side by side, each in its own process on its own core
+(``side_by_side``; ``--sequential``: one after the other).
 
 Evaluation (after reloading the export with ``zoo.load(OUT/NAME)``, bf16): held-out questions
-(``split="eval"``, another seed: keys never trained on), greedy through the real engine
-(``Model.generate``, i.e. ``zoo.serving.generator.Generator``) on ``corpus.prompt(example, turn)``;
-each turn judged by ``corpus.check_answer`` (the server's reasoning and tool-call parsers). Reported:
-exact-answer accuracy per family (the final turn; tool families' answers after the given tool
-result), 2-digit addition apart (goal >= 90%), tool-call turns exact and well-formed (a parseable
-call with JSON arguments and no text; goal >= 95%), MTP speculative decoding with 3 draft tokens:
-acceptance per draft position, tokens per forward (goal >= 1.5), tokens/s against plain decoding
-on the same prompts, all in one batch (``bench/generate.py`` measures the speedup at 4 streams), and
-the fraction of outputs identical to plain decoding's (greedy; bf16 verify and decode steps can
-round a near tie apart).
+(``split="eval"``, another seed: keys never trained on), greedy through the real engine (``Model.generate``,
+i.e. ``zoo.serving.generator.Generator``) on ``corpus.prompt(example, turn)``; each turn judged by
+``corpus.check_answer`` (the server's reasoning and tool-call parsers). Reported: exact-answer accuracy per
+family (the final turn; tool families' answers after the given tool result), 2-digit addition apart (goal >=
+90%; also split by thinking and direct answers), tool-call turns exact and well-formed (a parseable call with
+JSON arguments and no text; goal >= 95%), MTP speculative decoding with 3 draft tokens: acceptance per draft
+position, tokens per forward (goal >= 1.5), tokens/s against plain decoding on the same prompts, all in one
+batch (``bench/generate.py`` measures the speedup at 4 streams), and the fraction of outputs identical to
+plain decoding's (greedy; bf16 verify and decode steps can round a near tie apart).
 
-Time: ``--minutes`` (default 14) of training per model, plus ~3 minutes per model for the tokenizer,
-start weights, compiles, export and evaluation: ~17-18 minutes in all for both models side by side
-on 2 CPU cores. ``--minutes 1`` is a smoke test of the whole pipeline. Copy ``OUT/NAME/`` (without
+Time: ``--minutes`` (default 15) of training per model, plus ~3-4 minutes per model for the tokenizer,
+start weights, compiles, export and evaluation: ~19 minutes in all for both models side by side on 2
+CPU cores. ``--minutes 1`` is a smoke test of the whole pipeline. Copy ``OUT/NAME/`` (without
 results.json and train_log.jsonl) to ``zoo/assets/NAME/`` to ship a model.
 """
 
@@ -70,11 +74,28 @@ from zoo.train import corpus, templates  # noqa: E402
 
 MODELS = ("qwen38-tiny", "glm53-tiny")
 CONTEXT = 32768
+# The demo models' own config fields over the tiny presets of configs/ (which the parity tests use):
+# - qwen: rotary over half of each head at theta 1e4 (the preset's quarter at 1e7, Qwen3.8's own,
+#   resolves positions too coarsely for a head of 32 to find an operand's digits) and every second
+#   layer full attention; measured on addition alone for 5 minutes, the held-out language-model loss
+#   went 0.63 -> 0.42 at the same step count.
+# - glm: the indexer keeps 512 tokens (the preset: 16). Training gives the indexer no gradient (its
+#   top-k selection is not differentiable and GLM-5's indexer is trained by its own distillation
+#   loss, which zoo.train does not have), so with 16 an untrained indexer picks 16 of a row's tokens
+#   at random and the latent attention cannot see the question; with 512 every demo dialogue is
+#   attended whole and longer prompts still go through the sparse selection.
+DEMO_CONFIG: dict[str, dict] = {
+    "qwen38-tiny": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                        "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+                    "full_attention_interval": 2},
+    "glm53-tiny": {"index_topk": 512},
+}
 
 
 # -- start checkpoint ---------------------------------------------------------------------------------
-def make_init(name: str, work: Path, seed: int) -> Path:
-    """The start checkpoint of ``name`` under ``work/init`` (see the module doc); returns it."""
+def make_init(name: str, work: Path, seed: int, overrides: dict | None = None) -> Path:
+    """The start checkpoint of ``name`` under ``work/init`` (see the module doc), its config
+    ``configs/NAME.json`` updated with ``overrides``; returns it."""
     init = work / "init"
     if (init / "model.safetensors").is_file():
         return init
@@ -83,14 +104,16 @@ def make_init(name: str, work: Path, seed: int) -> Path:
     saved_assets = mta.ASSETS
     mta.ASSETS = work                               # make_tiny_assets writes ASSETS/NAME: point it here
     try:
-        {"qwen38-tiny": mta.make_qwen, "glm53-tiny": mta.make_glm}[name]()
+        {"qwen38-tiny": mta.make_qwen, "glm53-tiny": mta.make_glm}[name](overrides)
     finally:
         mta.ASSETS = saved_assets
     if init.exists():
         shutil.rmtree(init)
     (work / name).rename(init)
+    if name == "glm53-tiny":
+        residual_init_hyper_connections(init / "model.safetensors", seed)
     tok.save(init)                                  # our tokenizer and template replace the placeholder's
-    cfg = json.loads((ROOT / "configs" / f"{name}.json").read_text())
+    cfg = {**json.loads((ROOT / "configs" / f"{name}.json").read_text()), **(overrides or {})}
     if tok._tok.get_vocab_size() > cfg["vocab_size"]:
         raise ValueError(f"the tokenizer has {tok._tok.get_vocab_size()} entries, the model {cfg['vocab_size']}")
     cfg.update(max_position_embeddings=max(CONTEXT, cfg["max_position_embeddings"]),
@@ -99,14 +122,41 @@ def make_init(name: str, work: Path, seed: int) -> Path:
     return init
 
 
+def residual_init_hyper_connections(path: Path, seed: int) -> None:
+    """Rewrite the hyper-connection parameters of the GLM checkpoint ``path`` so that each mHC starts
+    as a plain residual: ``pre = 1/N`` (the collapsed stream is the streams' mean), ``post = 1`` (every
+    stream gets the block's output), ``comb`` ~ identity (softmax of 4 on the diagonal, 0 off it), the
+    data-dependent part ``fn`` small (std 0.1 of a unit logit) and every base jittered by N(0, 0.1)
+    so the streams can part. ``make_tiny_assets``' draws (fn at N(0, 1/fan_in), bases O(0.5), for the
+    parity tests) make every layer mix its streams by unit-scale random logits per token, which the
+    model must first unlearn: on addition alone for 5 minutes it then never copied an operand."""
+    from safetensors.flax import load_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {k: np.asarray(v, np.float32) for k, v in load_file(str(path)).items()}
+    for key in [k for k in tensors if k.rsplit(".", 1)[-1].startswith("hc_")]:
+        kind = key.rsplit("_", 1)[-1]
+        t = tensors[key]
+        if kind == "fn":
+            tensors[key] = 0.1 * rng.standard_normal(t.shape) / np.sqrt(t.shape[1])
+        elif kind == "scale":
+            tensors[key] = np.ones_like(t)
+        elif kind == "base":
+            n = int(round((-2 + math.sqrt(4 + 4 * t.size)) / 2))       # (2 + N) N entries
+            tensors[key] = np.concatenate([np.full(n, math.log(1 / (n - 1)) if n > 1 else 4.0), np.zeros(n),
+                                           4.0 * np.eye(n).ravel()]) + 0.1 * rng.standard_normal(t.size)
+    mta.write_weights(path.parent, tensors)
+
+
 # -- data -----------------------------------------------------------------------------------------------
 # The families a batch draws from (uniform over this tuple): addition, the headline goal and the
-# hardest family to learn, has a third of the dialogues and subtraction a ninth; every other family,
-# tool dialogues included, one eighteenth each. Evaluation weighs nothing: it reports each family.
-TRAIN_TASKS = ("add",) * 6 + ("sub",) * 2 + tuple(f for f in corpus.FAMILIES if f not in ("add", "sub"))
+# hardest family to learn, has 10/22 of the dialogues and subtraction 2/22; every other family,
+# tool dialogues included, 1/22 each. Evaluation weighs nothing: it reports each family.
+TRAIN_TASKS = ("add",) * 10 + ("sub",) * 2 + tuple(f for f in corpus.FAMILIES if f not in ("add", "sub"))
 
 
-def batches(arch: str, tok, seed: int, start: int = 0, rows: int = 8, length: int = 256, tasks=TRAIN_TASKS):
+def batches(arch: str, tok, seed: int, start: int = 0, rows: int = 8, length: int = 256, tasks=TRAIN_TASKS,
+            thinking: float = 0.5):
     """Endless (index, Batch) of fresh train-split dialogues packed into ``rows`` x ``length`` tokens;
     batch ``i`` depends only on (seed, i).
 
@@ -123,7 +173,7 @@ def batches(arch: str, tok, seed: int, start: int = 0, rows: int = 8, length: in
 
         def draw():
             while True:
-                (ex,) = corpus.examples(arch, 1, f"{seed}/{i}/{next(draws)}", tasks)
+                (ex,) = corpus.examples(arch, 1, f"{seed}/{i}/{next(draws)}", tasks, thinking=thinking)
                 x, m = corpus.render(ex, None, tok)
                 if len(x) <= length:
                     return x, m
@@ -174,7 +224,8 @@ def train(name: str, init: Path, work: Path, args) -> tuple[object, list[dict]]:
         state = trainer.init()
     budget = 60.0 * args.minutes
     step = int(state.step)
-    data = batches(name, model.tokenizer, args.seed, start=step, rows=args.rows, length=args.length)
+    data = batches(name, model.tokenizer, args.seed, start=step, rows=args.rows, length=args.length,
+                   tasks=tuple(args.tasks.split(",")), thinking=args.thinking)
     acc: dict[str, list] = {}
     last_ckpt = time.perf_counter()
 
@@ -243,13 +294,27 @@ def well_formed_call(example, text: str) -> bool:
     return ok and len(starts) == 1 and not "".join(e.text for e in events if isinstance(e, Text)).strip()
 
 
+def add2_sweep(model, arch: str, n: int, seed: int, max_new_tokens: int) -> dict:
+    """Held-out 2-digit additions only (both operands 10..99), ``n`` asked with thinking and ``n``
+    without, greedy in one batch: {"n", "thinking", "direct"} accuracies by ``corpus.check_answer``."""
+    out = {"n": n}
+    for mode, thinking in (("thinking", 1.0), ("direct", 0.0)):
+        exs = [ex for ex in corpus.examples(arch, 8 * n, seed, ("add",), split="eval", thinking=thinking)
+               if all(int(v) < 100 for v in ex.key.split(":")[1:])][:n]
+        gens = model.generate([model.tokenizer.encode(corpus.prompt(ex)) for ex in exs],
+                              max_new_tokens=max_new_tokens, temperature=0.0)
+        out[mode] = sum(corpus.check_answer(ex, model.tokenizer.decode(g.tokens, skip_special_tokens=False))
+                        for ex, g in zip(exs, gens)) / len(exs)
+    return out
+
+
 def evaluate(name: str, path: Path, args) -> dict:
     import zoo
     model = zoo.load(str(path))
     tok = model.tokenizer
     arch = templates.chat_format(name).name
     jobs = []                                       # (example, turn)
-    for fam in corpus.FAMILIES:
+    for fam in [f for f in corpus.FAMILIES if f in args.tasks.split(",")]:
         n = args.eval_per_family * (3 if fam == "add" else 1)
         for ex in corpus.examples(arch, n, args.seed + 1000 + len(jobs), (fam,), split="eval"):
             jobs += [(ex, t) for t in range(len(ex.turns()))]
@@ -266,7 +331,7 @@ def evaluate(name: str, path: Path, args) -> dict:
     outs = runs[0][0]
     per_family: dict[str, dict] = {}
     calls = {"turns": 0, "exact": 0, "well_formed": 0}
-    add2 = [0, 0]
+    add2, add2_mode = [0, 0], {True: [0, 0], False: [0, 0]}
     samples = []
     for (ex, turn), out in zip(jobs, outs):
         text = tok.decode(out.tokens, skip_special_tokens=False)
@@ -283,11 +348,15 @@ def evaluate(name: str, path: Path, args) -> dict:
             if ex.family == "add" and all(int(v) < 100 for v in ex.key.split(":")[1:]):
                 add2[0] += 1
                 add2[1] += ok
+                add2_mode[ex.thinking][0] += 1
+                add2_mode[ex.thinking][1] += ok
         if len(samples) < 40 and not ok:
             samples.append({"family": ex.family, "turn": turn, "question": ex.question, "want": ex.answer,
                             "got": text[-300:]})
     for f in per_family.values():
         f["accuracy"] = f["correct"] / f["n"]
+    sweep = add2_sweep(model, arch, args.eval_add2, args.seed + 2000, args.max_new_tokens) \
+        if "add" in args.tasks.split(",") and args.eval_add2 else None
     spec_outs, spec_wall, spec_tokens = runs[args.spec_tokens]
     same = sum(a.tokens == b.tokens for a, b in zip(outs, spec_outs))
     k = args.spec_tokens
@@ -300,7 +369,9 @@ def evaluate(name: str, path: Path, args) -> dict:
         "eval_examples": len({id(ex) for ex, _ in jobs}), "eval_turns": len(jobs),
         "accuracy": sum(f["correct"] for f in per_family.values()) / total,
         "per_family": per_family,
-        "add_2digit": {"n": add2[0], "correct": add2[1], "accuracy": add2[1] / max(1, add2[0])},
+        "add_2digit": {"n": add2[0], "correct": add2[1], "accuracy": add2[1] / max(1, add2[0]),
+                       **{f"accuracy_{'thinking' if t else 'direct'}": c / max(1, n)
+                          for t, (n, c) in add2_mode.items()}, "sweep": sweep},
         "tool_calls": {**calls, "exact_rate": calls["exact"] / max(1, calls["turns"]),
                        "well_formed_rate": calls["well_formed"] / max(1, calls["turns"])},
         "spec": {"spec_tokens": k, "drafted": drafted, "accepted": sum(o.stats["accepted"] for o in spec_outs),
@@ -319,7 +390,7 @@ def run(name: str, args) -> dict:
     work = args.out / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    init = make_init(name, work, args.seed)
+    init = make_init(name, work, args.seed, {**DEMO_CONFIG.get(name, {}), **json.loads(args.config)})
     print(f"[{name}] start checkpoint {init} ({time.perf_counter() - t0:.0f} s)", flush=True)
     module, log = train(name, init, work, args)
     out = args.out / name
@@ -332,6 +403,8 @@ def run(name: str, args) -> dict:
     ev = evaluate(name, out, args)
     results = {
         "model": name, "seed": args.seed, "minutes": args.minutes, "mtp_weight": args.mtp_weight, "lr": args.lr,
+        "rows": args.rows, "length": args.length, "thinking": args.thinking, "tasks": args.tasks,
+        "config": {**DEMO_CONFIG.get(name, {}), **json.loads(args.config)},
         "steps": log[-1]["step"] if log else 0, "trained_s": log[-1]["trained_s"] if log else 0,
         "loss_start": log[0] if log else None, "loss_end": log[-1] if log else None,
         "model_safetensors_bytes": (out / "model.safetensors").stat().st_size,
@@ -349,7 +422,13 @@ def table(r: dict) -> None:
     print(f"{'family':14s} {'n':>4s} {'acc':>6s}")
     for fam, f in r["per_family"].items():
         print(f"{fam:14s} {f['n']:4d} {f['accuracy']:6.1%}")
-    print(f"{'add 2-digit':14s} {r['add_2digit']['n']:4d} {r['add_2digit']['accuracy']:6.1%}   (goal >= 90%)")
+    a = r["add_2digit"]
+    print(f"{'add 2-digit':14s} {a['n']:4d} {a['accuracy']:6.1%}   (goal >= 90%; thinking "
+          f"{a['accuracy_thinking']:.1%}, direct {a['accuracy_direct']:.1%})")
+    if a.get("sweep"):
+        w = a["sweep"]
+        print(f"{'  sweep':14s} {w['n']:4d} thinking {w['thinking']:.1%}, direct {w['direct']:.1%}   "
+              "(2-digit only, each mode)")
     print(f"{'all':14s} {sum(f['n'] for f in r['per_family'].values()):4d} {r['accuracy']:6.1%}")
     c = r["tool_calls"]
     print(f"tool-call turns {c['turns']}: exact {c['exact_rate']:.1%}, well-formed {c['well_formed_rate']:.1%} "
@@ -364,18 +443,26 @@ def table(r: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=(*MODELS, "both"), default="both")
-    p.add_argument("--minutes", type=float, default=14.0, help="training time budget per model")
+    p.add_argument("--minutes", type=float, default=15.0, help="training time budget per model")
     p.add_argument("--out", type=Path, default=Path("/tmp/demo-models"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--rows", type=int, default=8, help="rows a batch")
+    p.add_argument("--rows", type=int, default=2, help="rows a batch")
     p.add_argument("--length", type=int, default=256, help="tokens a row (dialogues packed whole)")
     p.add_argument("--mtp-weight", type=float, default=0.7)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--ckpt-minutes", type=float, default=2.0)
+    p.add_argument("--config", default="{}", help="JSON: config fields over DEMO_CONFIG's (a new start "
+                   "checkpoint: use a new --out)")
+    p.add_argument("--tasks", default=",".join(TRAIN_TASKS), help="comma-separated families a batch draws "
+                   "from, repeated to weight one (default: TRAIN_TASKS)")
+    p.add_argument("--thinking", type=float, default=0.75,
+                   help="the fraction of training dialogues rendered with enable_thinking")
     p.add_argument("--fresh", action="store_true", help="ignore earlier checkpoints of the run")
     p.add_argument("--eval-per-family", type=int, default=20, help="held-out dialogues a family (add: 3x)")
+    p.add_argument("--eval-add2", type=int, default=100,
+                   help="held-out 2-digit additions asked in each mode, thinking and direct (0: none)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--spec-tokens", type=int, default=3)
     p.add_argument("--sequential", action="store_true",
