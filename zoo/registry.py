@@ -36,11 +36,11 @@ class ModelSpec:
 REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
     ModelSpec("qwen38-27b", "Qwen3.8-27B: 48 gated-DeltaNet + 16 gated-attention layers, MTP",
               preset="qwen38-27b.json", hf_repo="Qwen/Qwen3.8-27B"),
-    ModelSpec("qwen38-tiny", "Tiny Qwen3.8-architecture model with random weights (demo, tests)",
+    ModelSpec("qwen38-tiny", "Tiny Qwen3.8-architecture demo model, trained on zoo's synthetic chat corpus",
               preset="qwen38-tiny.json", embedded="qwen38-tiny"),
     ModelSpec("glm53-flash", "GLM-5.3-Flash: 34 KDA + 11 MLA/indexer layers, 288-expert MoE, "
               "mHC streams, MTP (FP8 weights)", preset="glm53-flash.json", hf_repo="zai-org/GLM-5.3-Flash"),
-    ModelSpec("glm53-tiny", "Tiny GLM-5.3-architecture model with random weights (demo, tests)",
+    ModelSpec("glm53-tiny", "Tiny GLM-5.3-architecture demo model, trained on zoo's synthetic chat corpus",
               preset="glm53-tiny.json", embedded="glm53-tiny"),
 ]}
 
@@ -69,9 +69,14 @@ def preset_path(preset: str) -> Path:
 
 
 def preset_config(spec: ModelSpec):
-    """The frozen config of a spec's preset (``configs/``): the real shape, no download."""
+    """The frozen config of the spec's real shape, no download: an embedded model's own
+    ``config.json`` (the demo models' shapes differ from the tiny presets of ``configs/``, which the
+    parity tests use), else its preset (``configs/``)."""
     from zoo.models.config import config_from_hf
 
+    if spec.embedded:
+        path = embedded_path(spec.embedded) / "config.json"
+        return config_from_hf(json.loads(path.read_text()), source=str(path))
     if spec.preset is None:
         raise ValueError(f"model {spec.name!r} has no config preset")
     path = preset_path(spec.preset)
