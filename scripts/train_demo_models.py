@@ -111,7 +111,8 @@ def make_init(name: str, work: Path, seed: int, overrides: dict | None = None) -
         shutil.rmtree(init)
     (work / name).rename(init)
     if name == "glm53-tiny":
-        residual_init_hyper_connections(init / "model.safetensors", seed)
+        residual_init_hyper_connections(init / "model.safetensors", json.loads((init / "config.json").read_text())
+                                        ["hc_mult"], seed)
     tok.save(init)                                  # our tokenizer and template replace the placeholder's
     cfg = {**json.loads((ROOT / "configs" / f"{name}.json").read_text()), **(overrides or {})}
     if tok._tok.get_vocab_size() > cfg["vocab_size"]:
@@ -122,8 +123,9 @@ def make_init(name: str, work: Path, seed: int, overrides: dict | None = None) -
     return init
 
 
-def residual_init_hyper_connections(path: Path, seed: int) -> None:
-    """Rewrite the hyper-connection parameters of the GLM checkpoint ``path`` so that each mHC starts
+def residual_init_hyper_connections(path: Path, n: int, seed: int) -> None:
+    """Rewrite the hyper-connection parameters of the GLM checkpoint ``path`` (``n`` streams, the
+    config's ``hc_mult``) so that each mHC starts
     as a plain residual: ``pre = 1/N`` (the collapsed stream is the streams' mean), ``post = 1`` (every
     stream gets the block's output), ``comb`` ~ identity (softmax of 4 on the diagonal, 0 off it), the
     data-dependent part ``fn`` small (std 0.1 of a unit logit) and every base jittered by N(0, 0.1)
@@ -142,7 +144,6 @@ def residual_init_hyper_connections(path: Path, seed: int) -> None:
         elif kind == "scale":
             tensors[key] = np.ones_like(t)
         elif kind == "base":
-            n = int(round((-2 + math.sqrt(4 + 4 * t.size)) / 2))       # (2 + N) N entries
             tensors[key] = np.concatenate([np.full(n, math.log(1 / (n - 1)) if n > 1 else 4.0), np.zeros(n),
                                            4.0 * np.eye(n).ravel()]) + 0.1 * rng.standard_normal(t.size)
     mta.write_weights(path.parent, tensors)
@@ -225,7 +226,7 @@ def train(name: str, init: Path, work: Path, args) -> tuple[object, list[dict]]:
     budget = 60.0 * args.minutes
     step = int(state.step)
     data = batches(name, model.tokenizer, args.seed, start=step, rows=args.rows, length=args.length,
-                   tasks=tuple(args.tasks.split(",")), thinking=args.thinking)
+                   tasks=args.tasks, thinking=args.thinking)
     acc: dict[str, list] = {}
     last_ckpt = time.perf_counter()
 
@@ -269,29 +270,21 @@ def train(name: str, init: Path, work: Path, args) -> tuple[object, list[dict]]:
 
 
 # -- evaluation ---------------------------------------------------------------------------------------
-def well_formed_call(example, text: str) -> bool:
-    """Does ``text`` (a tool turn's output) parse, as the server parses it, into exactly one call with
-    JSON-object arguments and no other text (whatever the call)?"""
-    from zoo.serving.reasoning import ReasoningParser, Text, prompt_opens_reasoning
-    from zoo.serving.tool_parsers import PARSERS, ToolCallArgs, ToolCallStart
-    fmt = templates.chat_format(example.arch)
-    for s in fmt.stops:
-        text = text.split(s)[0]
-    for s in set(fmt.special) - corpus.KEEP:
-        text = text.replace(s, "")
-    reasoning = ReasoningParser(prompt_opens_reasoning(corpus.prompt(example, 0)))
-    parser = PARSERS[fmt.name](example.tools)
-    events = []
-    for e in reasoning.feed(text) + reasoning.flush():
-        events += parser.feed(e.text) if isinstance(e, Text) else []
-    events += parser.flush()
-    starts = [e for e in events if isinstance(e, ToolCallStart)]
-    args = "".join(e.delta for e in events if isinstance(e, ToolCallArgs))
+def well_formed_call(example, text: str, turn: int = 0) -> bool:
+    """Does ``text`` (a tool turn's output) parse, as the server parses it (``corpus.parse_turn``), into
+    exactly one call with JSON-object arguments and no other text (whatever the call)?"""
+    answer, calls = corpus.parse_turn(example, text, turn)
+    if answer or len(calls) != 1:
+        return False
     try:
-        ok = isinstance(json.loads(args), dict)
+        return isinstance(json.loads(calls[0][1]), dict)
     except ValueError:
-        ok = False
-    return ok and len(starts) == 1 and not "".join(e.text for e in events if isinstance(e, Text)).strip()
+        return False
+
+
+def two_digit_sum(example) -> bool:
+    """Is ``example`` an addition whose operands both have two digits?"""
+    return example.family == "add" and all(int(v) < 100 for v in example.key.split(":")[1:])
 
 
 def add2_sweep(model, arch: str, n: int, seed: int, max_new_tokens: int) -> dict:
@@ -300,7 +293,7 @@ def add2_sweep(model, arch: str, n: int, seed: int, max_new_tokens: int) -> dict
     out = {"n": n}
     for mode, thinking in (("thinking", 1.0), ("direct", 0.0)):
         exs = [ex for ex in corpus.examples(arch, 8 * n, seed, ("add",), split="eval", thinking=thinking)
-               if all(int(v) < 100 for v in ex.key.split(":")[1:])][:n]
+               if two_digit_sum(ex)][:n]
         gens = model.generate([model.tokenizer.encode(corpus.prompt(ex)) for ex in exs],
                               max_new_tokens=max_new_tokens, temperature=0.0)
         out[mode] = sum(corpus.check_answer(ex, model.tokenizer.decode(g.tokens, skip_special_tokens=False))
@@ -314,7 +307,7 @@ def evaluate(name: str, path: Path, args) -> dict:
     tok = model.tokenizer
     arch = templates.chat_format(name).name
     jobs = []                                       # (example, turn)
-    for fam in [f for f in corpus.FAMILIES if f in args.tasks.split(",")]:
+    for fam in [f for f in corpus.FAMILIES if f in args.tasks]:
         n = args.eval_per_family * (3 if fam == "add" else 1)
         for ex in corpus.examples(arch, n, args.seed + 1000 + len(jobs), (fam,), split="eval"):
             jobs += [(ex, t) for t in range(len(ex.turns()))]
@@ -331,7 +324,7 @@ def evaluate(name: str, path: Path, args) -> dict:
     outs = runs[0][0]
     per_family: dict[str, dict] = {}
     calls = {"turns": 0, "exact": 0, "well_formed": 0}
-    add2, add2_mode = [0, 0], {True: [0, 0], False: [0, 0]}
+    add2_mode = {True: [0, 0], False: [0, 0]}       # thinking -> [n, correct] of the 2-digit sums
     samples = []
     for (ex, turn), out in zip(jobs, outs):
         text = tok.decode(out.tokens, skip_special_tokens=False)
@@ -340,14 +333,12 @@ def evaluate(name: str, path: Path, args) -> dict:
         if is_call:
             calls["turns"] += 1
             calls["exact"] += ok
-            calls["well_formed"] += well_formed_call(ex, text)
+            calls["well_formed"] += well_formed_call(ex, text, turn)
         if turn == len(ex.turns()) - 1:
             f = per_family.setdefault(ex.family, {"n": 0, "correct": 0})
             f["n"] += 1
             f["correct"] += ok
-            if ex.family == "add" and all(int(v) < 100 for v in ex.key.split(":")[1:]):
-                add2[0] += 1
-                add2[1] += ok
+            if two_digit_sum(ex):
                 add2_mode[ex.thinking][0] += 1
                 add2_mode[ex.thinking][1] += ok
         if len(samples) < 40 and not ok:
@@ -355,8 +346,9 @@ def evaluate(name: str, path: Path, args) -> dict:
                             "got": text[-300:]})
     for f in per_family.values():
         f["accuracy"] = f["correct"] / f["n"]
+    add2 = [sum(v) for v in zip(*add2_mode.values())]
     sweep = add2_sweep(model, arch, args.eval_add2, args.seed + 2000, args.max_new_tokens) \
-        if "add" in args.tasks.split(",") and args.eval_add2 else None
+        if "add" in args.tasks and args.eval_add2 else None
     spec_outs, spec_wall, spec_tokens = runs[args.spec_tokens]
     same = sum(a.tokens == b.tokens for a, b in zip(outs, spec_outs))
     k = args.spec_tokens
@@ -390,7 +382,8 @@ def run(name: str, args) -> dict:
     work = args.out / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    init = make_init(name, work, args.seed, {**DEMO_CONFIG.get(name, {}), **json.loads(args.config)})
+    config = {**DEMO_CONFIG.get(name, {}), **json.loads(args.config)}
+    init = make_init(name, work, args.seed, config)
     print(f"[{name}] start checkpoint {init} ({time.perf_counter() - t0:.0f} s)", flush=True)
     module, log = train(name, init, work, args)
     out = args.out / name
@@ -404,7 +397,7 @@ def run(name: str, args) -> dict:
     results = {
         "model": name, "seed": args.seed, "minutes": args.minutes, "mtp_weight": args.mtp_weight, "lr": args.lr,
         "rows": args.rows, "length": args.length, "thinking": args.thinking, "tasks": args.tasks,
-        "config": {**DEMO_CONFIG.get(name, {}), **json.loads(args.config)},
+        "config": config,
         "steps": log[-1]["step"] if log else 0, "trained_s": log[-1]["trained_s"] if log else 0,
         "loss_start": log[0] if log else None, "loss_end": log[-1] if log else None,
         "model_safetensors_bytes": (out / "model.safetensors").stat().st_size,
@@ -470,6 +463,7 @@ def main() -> None:
                         "side, one process a model, each on its own core, when the machine has two or more)")
     args = p.parse_args()
     args.out = args.out.absolute()
+    args.tasks = tuple(args.tasks.split(","))
     names = MODELS if args.model == "both" else (args.model,)
     cores = sorted(os.sched_getaffinity(0))
     if len(names) > 1 and not args.sequential and len(cores) >= len(names):

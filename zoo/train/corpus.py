@@ -5,6 +5,7 @@
     render(example, template, tokenizer) -> (ids, loss_mask)   int32 arrays of one length
     segments(example, template=None) -> [(text, generated)]     the rendered dialogue in pieces
     prompt(example, turn=0, template=None) -> str                what the server feeds for a turn
+    parse_turn(example, generated_text, turn=0) -> (text, calls) a model's output as the server parses it
     check_answer(example, generated_text, turn=0) -> bool        is a model's output right
     corpus_text(arch, n, seed, ...) -> [str]                     text to train a BPE tokenizer on
 
@@ -382,14 +383,13 @@ def corpus_text(arch: str, n: int, seed: int, tasks=TASKS, **kwargs) -> list[str
 KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))   # as zoo.serving.chat
 
 
-def check_answer(example: Example, generated_text: str, turn: int = 0, template: str | None = None) -> bool:
-    """Is ``generated_text`` (a model's output after ``prompt(example, turn)``, decoded with its
-    markers, i.e. without skipping special tokens) right? It is cut at the first end-of-turn token
-    and parsed as the server does (reasoning split off, then the format's tool parser): a turn that
-    should call a tool must give exactly that call (name and arguments equal as JSON) and no text;
-    an answer turn no call and exactly the expected text (surrounding whitespace aside)."""
+def parse_turn(example: Example, generated_text: str, turn: int = 0, template: str | None = None
+               ) -> tuple[str, list[tuple[str, str]]]:
+    """``generated_text`` (a model's output after ``prompt(example, turn)``, decoded with its markers,
+    i.e. without skipping special tokens) parsed as the server parses it: cut at the first
+    end-of-turn token, other control tokens hidden, reasoning split off, then the format's tool
+    parser. Returns (the answer text, stripped; the calls as (name, arguments JSON text))."""
     fmt = chat_format(example.arch)
-    target = example.messages[example.turns()[turn]]
     for s in fmt.stops:
         generated_text = generated_text.split(s)[0]
     for s in set(fmt.special) - KEEP:               # other control tokens are hidden by the server
@@ -400,10 +400,18 @@ def check_answer(example: Example, generated_text: str, turn: int = 0, template:
     for e in reasoning.feed(generated_text) + reasoning.flush():
         events += parser.feed(e.text) if isinstance(e, Text) else []
     events += parser.flush()
-    text = "".join(e.text for e in events if isinstance(e, Text)).strip()
     calls = [[e.name, ""] for e in events if isinstance(e, ToolCallStart)]
     for e in (e for e in events if isinstance(e, ToolCallArgs)):
         calls[e.index][1] += e.delta
+    return "".join(e.text for e in events if isinstance(e, Text)).strip(), [(n, a) for n, a in calls]
+
+
+def check_answer(example: Example, generated_text: str, turn: int = 0, template: str | None = None) -> bool:
+    """Is ``generated_text`` (see ``parse_turn``) right? A turn that should call a tool must give
+    exactly that call (name and arguments equal as JSON) and no text; an answer turn no call and
+    exactly the expected text (surrounding whitespace aside)."""
+    target = example.messages[example.turns()[turn]]
+    text, calls = parse_turn(example, generated_text, turn, template)
     try:
         calls = [(name, json.loads(args)) for name, args in calls]
     except ValueError:
