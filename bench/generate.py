@@ -10,8 +10,9 @@ per configuration: tokens per model forward (each row's tokens over its decode s
 prefill's), acceptance (overall and by draft position), tokens/s end to end (the whole
 ``generate``: admission with its prefill, then decoding) and decode tokens/s (the tokens after each
 row's first over the time outside admission), each with its ratio against plain decoding measured
-in the same run (each the fastest of 3 identical runs, after one that compiles; speculation changes
-decoding only, and at these answer lengths admission is about half of the end-to-end time), the
+in the same run (each the fastest of ``--repeats`` identical runs, after one that compiles, the
+configurations taking turns; speculation changes decoding only, and at these answer lengths
+admission is about a third of the end-to-end time), the
 device programs dispatched per decode step, and whether
 the outputs equal plain decoding's. Runs: plain; MTP with the model's own head (trained with the
 model: the real case); MTP on a "bigram" variant whose MTP head agrees with a degraded model (a
@@ -32,44 +33,62 @@ from zoo.api import Model
 from zoo.serving.generator import Generator
 
 
-def run(model: Model, k: int, prompts, n_tokens: int, repeats: int = 3) -> dict:
-    gen = Generator(model, spec_tokens=k)
-    calls = {"step": 0, "prefill_s": 0.0}
-    step_fn, prefill_into = gen._step_fn, gen._prefill_into
+class Config:
+    """One configuration of the comparison: a generator over ``model`` drafting ``k`` tokens, its
+    programs compiled by one untimed run, then timed by ``once`` (admission apart)."""
 
-    def counted(*a, **kw):
-        calls["step"] += 1
-        return step_fn(*a, **kw)
+    def __init__(self, model: Model, k: int, prompts, n_tokens: int):
+        self.gen, self.k, self.prompts, self.n_tokens = Generator(model, spec_tokens=k), k, prompts, n_tokens
+        self.calls = {"step": 0, "prefill_s": 0.0}
+        self.dt = self.decode_dt = float("inf")
+        gen = self.gen
+        gen.generate(prompts, max_new_tokens=n_tokens, temperature=0.0)     # every program and cache size
+        step_fn, prefill_into = gen._step_fn, gen._prefill_into
 
-    def timed_prefill(*a, **kw):                            # admission: prefill + each row's first token
+        def counted(*a, **kw):
+            self.calls["step"] += 1
+            return step_fn(*a, **kw)
+
+        def timed_prefill(*a, **kw):                        # admission: prefill + each row's first token
+            t0 = time.perf_counter()
+            prefill_into(*a, **kw)
+            jax.block_until_ready(gen._batch)
+            self.calls["prefill_s"] += time.perf_counter() - t0
+
+        gen._step_fn, gen._prefill_into = counted, timed_prefill
+
+    def once(self) -> None:
+        """One timed run; keeps the fastest end-to-end and decode times seen."""
+        self.calls["step"], self.calls["prefill_s"] = 0, 0.0
         t0 = time.perf_counter()
-        prefill_into(*a, **kw)
-        jax.block_until_ready(gen._batch)
-        calls["prefill_s"] += time.perf_counter() - t0
+        self.gens = self.gen.generate(self.prompts, max_new_tokens=self.n_tokens, temperature=0.0)
+        jax.block_until_ready(self.gen._batch)
+        dt = time.perf_counter() - t0
+        self.dt, self.decode_dt = min(self.dt, dt), min(self.decode_dt, dt - self.calls["prefill_s"])
 
-    gen.generate(prompts, max_new_tokens=n_tokens, temperature=0.0)     # the same run once: every program
-                                                                        # and cache size compiled
-    gen._step_fn, gen._prefill_into = counted, timed_prefill
-    dt = decode_dt = float("inf")
-    for _ in range(repeats):                                # the fastest of a few identical runs
-        calls["step"], calls["prefill_s"] = 0, 0.0
-        t0 = time.perf_counter()
-        gens = gen.generate(prompts, max_new_tokens=n_tokens, temperature=0.0)
-        jax.block_until_ready(gen._batch)
-        dt = min(dt, time.perf_counter() - t0)
-        decode_dt = min(decode_dt, time.perf_counter() - t0 - calls["prefill_s"])
-    tokens = sum(len(g.tokens) for g in gens)
-    steps = max(g.stats["steps"] for g in gens)
-    row_steps = sum(g.stats["steps"] + 1 for g in gens)        # + the prefill's token
-    drafted = sum(g.stats["drafted"] for g in gens)
-    spec_steps = drafted // k if k else 0
-    by_pos = [sum(g.stats["accepted_by_position"][i] for g in gens) / max(1, spec_steps) for i in range(k)]
-    return {"tok_s": tokens / dt, "decode_tok_s": (tokens - len(gens)) / decode_dt,
-            "tokens_per_step": tokens / row_steps, "by_position": by_pos,
-            "outputs": [g.tokens for g in gens],
-            "step_s": dt / max(steps, 1),
-            "acceptance": sum(g.stats["accepted"] for g in gens) / drafted if drafted else 0,
-            "programs_per_step": calls["step"] / max(steps, 1)}
+    def result(self) -> dict:
+        gens, k = self.gens, self.k
+        tokens = sum(len(g.tokens) for g in gens)
+        steps = max(g.stats["steps"] for g in gens)
+        row_steps = sum(g.stats["steps"] + 1 for g in gens)        # + the prefill's token
+        drafted = sum(g.stats["drafted"] for g in gens)
+        spec_steps = drafted // k if k else 0
+        by_pos = [sum(g.stats["accepted_by_position"][i] for g in gens) / max(1, spec_steps) for i in range(k)]
+        return {"tok_s": tokens / self.dt, "decode_tok_s": (tokens - len(gens)) / self.decode_dt,
+                "tokens_per_step": tokens / row_steps, "by_position": by_pos,
+                "outputs": [g.tokens for g in gens],
+                "step_s": self.dt / max(steps, 1),
+                "acceptance": sum(g.stats["accepted"] for g in gens) / drafted if drafted else 0,
+                "programs_per_step": self.calls["step"] / max(steps, 1)}
+
+
+def measure(configs: list[Config], repeats: int) -> list[dict]:
+    """Each configuration's fastest of ``repeats`` runs, the configurations taking turns run by run
+    (a slow spell of the machine then slows every configuration, not only one)."""
+    for _ in range(repeats):
+        for c in configs:
+            c.once()
+    return [c.result() for c in configs]
 
 
 def chat_prompts(model: Model, name: str, streams: int) -> list[list[int]]:
@@ -86,6 +105,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10, help="timed runs per configuration (the fastest counts)")
     ap.add_argument("--model", default="qwen38-tiny", choices=["qwen38-tiny", "glm53-tiny"])
     ap.add_argument("--path", default=None, help="a checkpoint directory of --model to load instead")
     args = ap.parse_args()
@@ -94,9 +114,10 @@ def main() -> None:
     prompts = chat_prompts(tiny, args.model, args.streams)
     print(f"{args.model}: jax {jax.__version__} on {jax.devices()[0].platform}; {args.streams} chat questions x "
           f"<= {args.tokens} tokens, greedy; k={args.k}")
-    base = run(tiny, 0, prompts, args.tokens)
-    rows = [("plain", base), ("mtp, own head", run(tiny, args.k, prompts, args.tokens)),
-            ("mtp, bigram reference", run(bigram, args.k, prompts, args.tokens))]
+    configs = [Config(tiny, 0, prompts, args.tokens), Config(tiny, args.k, prompts, args.tokens),
+               Config(bigram, args.k, prompts, args.tokens)]
+    base, own, ref = measure(configs, args.repeats)
+    rows = [("plain", base), ("mtp, own head", own), ("mtp, bigram reference", ref)]
     spec_step = rows[-1][1]["step_s"]
     oracle = {"tok_s": args.streams * (args.k + 1) / spec_step, "decode_tok_s": args.streams * (args.k + 1) / spec_step,
               "tokens_per_step": args.k + 1, "step_s": spec_step,

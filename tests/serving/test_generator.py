@@ -99,6 +99,26 @@ def test_prefill_chunk_is_the_servers_choice(model):
             Generator(model, prefill_chunk=bad)
 
 
+def test_prefill_pieces_are_few_and_pad_little(model):
+    """``_plan``: pieces cover the prompt in order, end at every chunk multiple and mark, have
+    power-of-two widths between ``PREFILL_MIN`` and the chunk, pad fewer than ``PREFILL_MIN`` tokens
+    per segment, and a tail that one wider piece covers with that little padding is one piece."""
+    from zoo.serving.generator import PREFILL_MIN, Generator
+
+    gen = Generator(model, prefill_chunk=64)
+    assert gen._plan(0, 25) == [(0, 25, 32, True)]
+    assert gen._plan(0, 40) == [(0, 32, 32, False), (32, 40, 16, True)]
+    for start, n, marks in [(s, n, m) for s in (0, 5, 64) for n in range(s + 1, 300, 7) for m in ((), (s + 50,))]:
+        pieces = gen._plan(start, n, marks)
+        ends = sorted({e for e in range(64, n, 64) if e > start} | {m for m in marks if start < m < n} | {n})
+        assert [p[0] for p in pieces] == [start] + [p[1] for p in pieces[:-1]]
+        assert [p[1] for p in pieces if p[3]] == ends and pieces[-1][1] == n
+        for a, e, w, _ in pieces:
+            assert PREFILL_MIN <= w <= 64 and w & (w - 1) == 0 and e - a <= w
+        for lo, hi in zip([start] + ends[:-1], ends):
+            assert sum(w - (e - a) for a, e, w, _ in pieces if lo <= a < hi) < PREFILL_MIN
+
+
 def test_prompt_ids_outside_the_vocabulary_and_a_huge_top_k(model):
     """The Python API checks prompt ids against the vocabulary (an id the model cannot embed is an
     error, not a silently clipped lookup) and takes any top_k (past the vocabulary: every token)."""

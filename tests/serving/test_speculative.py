@@ -143,6 +143,30 @@ def test_greedy_acceptance_is_argmax_equality():
     assert int(n[0]) == 1 and int(extra[0]) == 0
 
 
+def test_all_greedy_batches_take_the_argmax_branch_with_the_mixed_batches_tokens():
+    """A batch of greedy rows skips the random numbers (``lax.cond``); its tokens are the ones the
+    same rows get in a batch where another row samples."""
+    from zoo.serving.sampling import draw
+
+    rng = np.random.default_rng(3)
+    b, k, v = 6, 3, 11
+    p = jnp.asarray(rng.dirichlet(np.ones(v), size=(b, k + 1)), jnp.float32)
+    q = jnp.asarray(rng.dirichlet(np.ones(v), size=(b, k)), jnp.float32)
+    drafts = jnp.asarray(np.where(rng.random((b, k)) < 0.7, np.argmax(np.asarray(p[:, :k]), -1),
+                                  rng.integers(0, v, (b, k))), jnp.int32)
+    keys = jax.random.split(jax.random.key(2), b)
+    greedy = jnp.ones((b,), bool)
+    mixed = greedy.at[0].set(False)
+    n_all, extra_all = jax.jit(accept)(keys, p, q, drafts, greedy)
+    n_mix, extra_mix = jax.jit(accept)(keys, p, q, drafts, mixed)
+    assert np.array_equal(np.asarray(n_all)[1:], np.asarray(n_mix)[1:])
+    assert np.array_equal(np.asarray(extra_all)[1:], np.asarray(extra_mix)[1:])
+    assert sorted(set(np.asarray(n_all).tolist())) != [k]                 # some rows reject
+    assert np.array_equal(np.asarray(jax.jit(draw)(keys, p[:, 0], greedy))[1:],
+                          np.asarray(jax.jit(draw)(keys, p[:, 0], mixed))[1:])
+    assert np.array_equal(np.asarray(draw(keys, p[:, 0], greedy)), np.argmax(np.asarray(p[:, 0]), -1))
+
+
 @pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("qwen38-tiny/bigram", 2), ("glm53-tiny/bigram", 3)])
 def test_thinking_budget_forces_the_close_and_the_model_continues_from_it(models, plain_runs, which, k):
     """With a thinking budget B the row emits exactly its own first B tokens (a speculative step is

@@ -50,6 +50,7 @@ sampling (speculative rows reject their drafts that step), and the model continu
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -102,6 +103,20 @@ def _embed(old, new):
     return jax.tree.map(lambda o, n: n.at[tuple(slice(0, d) for d in o.shape)].set(o.astype(n.dtype)), old, new)
 
 
+def _place(batch: dict, cache, first: jax.Array, h_last: jax.Array, params: dict, r, k: int) -> dict:
+    """A prefilled request into row ``r`` of ``batch``: its ``cache`` (one row), its carry from its
+    first token ``first`` [1] (and, with ``k`` MTP drafts, the prefill's last hidden state ``h_last``
+    [1, D] as its one pending MTP row), its sampling ``params`` ([1] leaves)."""
+    if k:
+        h = jnp.zeros((1, k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+        tok = jnp.zeros((1, k + 1), jnp.int32).at[:, 0].set(first)
+        carry = {"h": h, "tok": tok, "n": jnp.ones((1,), jnp.int32)}
+    else:
+        carry = {"tok": first}
+    row = {"cache": cache, "carry": carry, "params": params}
+    return jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row)
+
+
 def _first_token(logits: jax.Array, params: dict, top_n: int | None = None, mask: jax.Array | None = None):
     """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0; -1 where they are not
     finite), masked by ``mask``
@@ -150,14 +165,12 @@ class Generator:
         self._cache_bytes: dict[tuple[int, int], int] = {}
         self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("top_n",))
         self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,), static_argnames=("top_n",))
-        self._insert_fn = jax.jit(lambda batch, row, r: jax.tree.map(
-            lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row),
-            donate_argnums=(0,))
+        self._place_fn = jax.jit(functools.partial(_place, k=self.k), donate_argnums=(0,))
         self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
         self._grow_fn = jax.jit(_embed, donate_argnums=(1,))
         # jitted: eager sampling would recompile its cond per request
         self._first_fn = jax.jit(_first_token, static_argnames=("top_n",))
-        for name in ("_step_fn", "_prefill_fn", "_insert_fn", "_empty_fn", "_grow_fn", "_first_fn"):
+        for name in ("_step_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_grow_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
         self._masked = MaskedPrograms(self._graphdef, self.k, getattr(model, "mesh", None))
         self.vocab = int(model.config.vocab_size)           # the logits' width
@@ -302,14 +315,19 @@ class Generator:
         """The prefill pieces of prompt tokens ``start .. n-1``: ``(first, end, width, snapshot)``.
         Snapshot points: every multiple of ``prefill_chunk`` (shared by other prompts), each of
         ``marks``, and ``n``. Between two, pieces of the largest power-of-two width that fits, the last
-        right-padded to ``PREFILL_MIN``: at most ``PREFILL_MIN - 1`` padding tokens per segment, and
-        only power-of-two widths up to the chunk are ever compiled."""
+        right-padded to ``PREFILL_MIN`` (or one piece of the next power of two, when that pads fewer
+        than ``PREFILL_MIN`` tokens: 25 tokens are one piece of 32, not 16 + 16): at most
+        ``PREFILL_MIN - 1`` padding tokens per segment, and only power-of-two widths up to the chunk
+        are ever compiled."""
         chunk = self.prefill_chunk
         ends = sorted(set(range(_round_up(start + 1, chunk), n, chunk)) | {m for m in marks if start < m < n} | {n})
         pieces, a = [], start
         for end in ends:
             while a < end:
                 width = min(chunk, max(PREFILL_MIN, 1 << ((end - a).bit_length() - 1)))
+                up = 2 * width                        # one wider piece when its padding is as small
+                if width < end - a and up <= chunk and up - (end - a) < PREFILL_MIN:
+                    width = up
                 e = min(end, a + width)
                 pieces.append((a, e, width, e == end))
                 a = e
@@ -430,9 +448,9 @@ class Generator:
     def _start_row(self, req: Request, r: int, logits, h_last, cache) -> None:
         """Sample ``req``'s first token from the prefill's last ``logits`` (masked by its grammar) and
         put the prefilled ``cache`` with its carry and parameters into row ``r``."""
-        params = {"temperature": jnp.float32([req.temperature]), "top_k": jnp.int32([req.top_k]),
-                  "top_p": jnp.float32([req.top_p]), "seed": jnp.uint32([req.seed & 0xFFFFFFFF]),
-                  "step": jnp.int32([1])}
+        params = {"temperature": np.float32([req.temperature]), "top_k": np.int32([req.top_k]),
+                  "top_p": np.float32([req.top_p]), "seed": np.uint32([req.seed & 0xFFFFFFFF]),
+                  "step": np.int32([1])}
         mask = None
         if req.constraint is not None:
             mask = np.full((1, self._mask_words), -1, np.int32)
@@ -446,13 +464,7 @@ class Generator:
             raise FloatingPointError("the model's logits for this prompt are not finite (NaN or inf)")
         if first_top is not None:
             first_lp = records([int(first[0])], {key: v[0] for key, v in to_numpy(out).items()}, req.logprobs)
-        if self.k:
-            h = jnp.zeros((1, self.k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
-            tok = jnp.zeros((1, self.k + 1), jnp.int32).at[:, 0].set(first)
-            carry = {"h": h, "tok": tok, "n": jnp.ones((1,), jnp.int32)}
-        else:
-            carry = {"tok": first}
-        self._batch = self._insert_fn(self._batch, {"cache": cache, "carry": carry, "params": params}, r)
+        self._batch = self._place_fn(self._batch, cache, first, h_last, params, r)
         req.raw.append(int(first[0]))
         self._deliver(req, [int(first[0])], first_lp)
 

@@ -53,9 +53,13 @@ def probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: ja
 
 
 def draw(keys: jax.Array, p: jax.Array, greedy: jax.Array) -> jax.Array:
-    """One token per row from ``p [B, V]`` with that row's key (argmax where ``greedy [B]``)."""
-    sampled = jax.vmap(lambda k, row: jax.random.categorical(k, jnp.log(row)))(keys, p)
-    return jnp.where(greedy, jnp.argmax(p, axis=-1), sampled).astype(jnp.int32)
+    """One token per row from ``p [B, V]`` with that row's key (argmax where ``greedy [B]``). When every
+    row is greedy the random draw is skipped (``lax.cond``): the same tokens, without the [B, V]
+    random numbers."""
+    def mixed():
+        sampled = jax.vmap(lambda k, row: jax.random.categorical(k, jnp.log(row)))(keys, p)
+        return jnp.where(greedy, jnp.argmax(p, axis=-1), sampled).astype(jnp.int32)
+    return jax.lax.cond(jnp.all(greedy), lambda: jnp.argmax(p, axis=-1).astype(jnp.int32), mixed)
 
 
 def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,

@@ -38,6 +38,21 @@ def accept(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greed
     (temperature 0: accept iff the draft is the argmax of p).
     Returns (n_accepted [B] in 0..k, extra token [B]).
     """
+    return jax.lax.cond(jnp.all(greedy), lambda: _accept_greedy(p, drafts),
+                        lambda: _accept_sampled(keys, p, q, drafts, greedy))
+
+
+def _accept_greedy(p: jax.Array, drafts: jax.Array):
+    """``accept`` when every row is greedy: the drafts that are the argmax of p, then the argmax
+    after them (no random numbers, no residual distribution)."""
+    k = drafts.shape[1]
+    ok = drafts == jnp.argmax(p[:, :k], axis=-1)
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
+    return n_acc, jnp.argmax(p_j, axis=-1).astype(jnp.int32)
+
+
+def _accept_sampled(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array):
     b, k = drafts.shape
     split = jax.vmap(jax.random.split)(keys)                              # [B, 2]
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(split[:, 0])
