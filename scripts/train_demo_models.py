@@ -83,12 +83,15 @@ CONTEXT = 32768
 #   top-k selection is not differentiable and GLM-5's indexer is trained by its own distillation
 #   loss, which zoo.train does not have), so with 16 an untrained indexer picks 16 of a row's tokens
 #   at random and the latent attention cannot see the question; with 512 every demo dialogue is
-#   attended whole and longer prompts still go through the sparse selection.
+#   attended whole and longer prompts still go through the sparse selection. ``hc_sinkhorn_iters``
+#   4 (GLM-5.3 uses 20): the hyper-connections' Sinkhorn projection is ~10% of a training step at
+#   20; at 4 the 15 minutes give 2934 steps instead of 2607, and held-out 2-digit sums with thinking
+#   went from 81% to 91%, well-formed tool calls from 91% to 99% (same recipe otherwise).
 DEMO_CONFIG: dict[str, dict] = {
     "qwen38-tiny": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                         "mrope_section": [4, 2, 2], "mrope_interleaved": True},
                     "full_attention_interval": 2},
-    "glm53-tiny": {"index_topk": 512},
+    "glm53-tiny": {"index_topk": 512, "hc_sinkhorn_iters": 4},
 }
 
 
