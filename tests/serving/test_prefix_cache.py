@@ -85,8 +85,9 @@ def test_conversation_turns_hit_and_match_the_uncached_run(models, which, k):
         assert g.stats["prompt_tokens"] == len(prompt)
     stats = gen.prefix.stats
     assert stats.hits == len(TURNS) - 1 and stats.hit_tokens == sum(g.stats["cached_tokens"] for g in got)
-    if k:
-        assert sum(g.stats["accepted"] for g in got) > 0.5 * sum(g.stats["drafted"] for g in got)
+    if k:       # speculation ran across the turns: every draft depth accepted, and some drafts rolled back
+        by_position = [sum(g.stats["accepted_by_position"][i] for g in got) for i in range(k)]
+        assert min(by_position) > 0 and sum(by_position) < sum(g.stats["drafted"] for g in got), by_position
 
 
 @pytest.mark.parametrize("which", MODELS)
