@@ -37,7 +37,7 @@ from zoo.models.architectures import BY_MODEL_NAME, architecture
 from zoo.models.config import load_config
 from zoo.serving.generator import Generator
 from zoo.sharding.cache_axes import shard_cache
-from zoo.sharding.mesh import on_mesh, resolve_mesh
+from zoo.sharding.mesh import host_value, on_mesh, resolve_mesh
 from zoo.sources.fp8 import Fp8Dequantized
 from zoo.sources.gguf import GGUFSource
 from zoo.sources.names import NameMap
@@ -244,12 +244,12 @@ class Model:
     def logits(self, input_ids, attention_mask=None) -> np.ndarray:
         """Full forward, no cache: float32 logits [B, S, V] (``attention_mask`` 0 = left padding)."""
         ids, mask = self._inputs(input_ids, attention_mask)
-        return np.asarray(self._logits_fn(self._state, ids, mask)[0], dtype=np.float32)
+        return host_value(self._logits_fn(self._state, ids, mask)[0]).astype(np.float32)
 
     def hidden_states(self, input_ids, attention_mask=None) -> np.ndarray:
         """The final (post-norm) hidden states [B, S, D] as float32."""
         ids, mask = self._inputs(input_ids, attention_mask)
-        return np.asarray(self._logits_fn(self._state, ids, mask)[1], dtype=np.float32)
+        return host_value(self._logits_fn(self._state, ids, mask)[1]).astype(np.float32)
 
     def mtp_logits(self, input_ids, attention_mask=None) -> np.ndarray:
         """MTP draft logits [B, S-1, V]: row t = MTP(h_t, embed(x_{t+1})), predicting x_{t+2}."""
@@ -258,7 +258,7 @@ class Model:
         ids, mask = self._inputs(input_ids, attention_mask)
         if ids.shape[1] < 2:
             raise ValueError("mtp_logits needs at least 2 tokens per row")
-        return np.asarray(self._mtp_fn(self._state, ids, mask), dtype=np.float32)
+        return host_value(self._mtp_fn(self._state, ids, mask)).astype(np.float32)
 
     def generator(self, spec_tokens: int = 0):
         """The continuous-batching ``Generator`` for this model (one per draft length)."""

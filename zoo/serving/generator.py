@@ -76,7 +76,7 @@ from zoo.serving.sampling import flag_nonfinite, row_keys, sample
 from zoo.serving.thinking import ThinkingBudget
 from zoo.serving.token_mask import apply_token_mask
 from zoo.sharding.cache_axes import cache_shardings, shard_cache
-from zoo.sharding.mesh import on_mesh
+from zoo.sharding.mesh import host_value, on_mesh
 
 log = logging.getLogger("zoo.serve")
 PREFILL_CHUNK = 1024
@@ -91,11 +91,17 @@ def _round_up(n: int, m: int) -> int:
 
 
 def default_memory_budget() -> int:
-    """Bytes the caches may use: 80% of the free accelerator memory, or a quarter of host RAM."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """Bytes the caches may use: 80% of the free accelerator memory, or a quarter of host RAM; with
+    several processes the least of theirs (admission decides alike in every process)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        return int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-    return int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        budget = int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    else:
+        budget = int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+    return budget
 
 
 def _embed(old, new):
@@ -525,7 +531,7 @@ class Generator:
             else:
                 out = self._step_fn(self._state, self._batch, *args, top_n=top_n)
             self._batch, tokens, counts = out[:3]
-            tokens, counts = np.asarray(tokens), np.asarray(counts)
+            tokens, counts = host_value(tokens), host_value(counts)
             scored = to_numpy(out[3]) if top_n is not None else None
         except Exception as e:
             self._fail_batch(e)
@@ -617,7 +623,7 @@ class Generator:
             self._fill_masks(masks)
             return p.pick(batch, logits, active, force, jnp.asarray(masks[:, :1]), top_n=top_n)
         batch, drafts, q, x_m = p.draft(self._state, self._batch, active)
-        host_drafts = np.asarray(drafts)
+        host_drafts = host_value(drafts)
         batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active)
         self._fill_masks(masks, host_drafts)
         return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap,

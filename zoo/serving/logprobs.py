@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from zoo.sharding.mesh import host_value
 
 MAX_TOP = 20                  # the most alternatives a request may ask for (OpenAI's bound)
 TOP_BUCKETS = (1, 5, MAX_TOP)  # compiled top-K sizes
@@ -64,4 +65,4 @@ def records(tokens, out: dict, n_top: int) -> list[TokenLogprob]:
 
 
 def to_numpy(out: dict) -> dict:
-    return {k: np.asarray(v) for k, v in out.items()}
+    return {k: host_value(v) for k, v in out.items()}

@@ -87,10 +87,11 @@ def get_layout(name: str) -> Layout:
 
 
 def make_mesh(layout: str = "tp", devices=None, shape: tuple[int, ...] | None = None) -> Mesh:
-    """A mesh over ``devices`` (default: all local devices) in the named layout; ``shape`` overrides
-    the default split (e.g. ``(8, 1)`` for pure expert parallelism in "ep")."""
+    """A mesh over ``devices`` (default: every device of the job, all processes' with
+    ``zoo.distributed``; a single process: its own) in the named layout; ``shape`` overrides the
+    default split (e.g. ``(8, 1)`` for pure expert parallelism in "ep")."""
     lay = get_layout(layout)
-    devices = list(jax.local_devices() if devices is None else devices)
+    devices = list(jax.devices() if devices is None else devices)
     shape = tuple(shape) if shape is not None else lay.mesh_shape(len(devices))
     if len(shape) != len(lay.axis_names) or int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh shape {shape} does not fit layout {layout!r} {lay.axis_names} on "
@@ -108,7 +109,7 @@ def mesh_layout(mesh) -> Layout:
 
 
 def resolve_mesh(mesh) -> Mesh | None:
-    """``zoo.load(mesh=...)``: None, a ``Mesh``, or a layout name meaning all local devices."""
+    """``zoo.load(mesh=...)``: None, a ``Mesh``, or a layout name meaning all of the job's devices."""
     if isinstance(mesh, Mesh):
         mesh_layout(mesh)                       # its axis names must name a layout
         return mesh
@@ -238,3 +239,14 @@ def on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
         with jax.set_mesh(mesh):
             return fn(*args, **kwargs)
     return run
+
+
+def host_value(x) -> np.ndarray:
+    """``x`` as a numpy array on this host. An array whose shards all live in this process (one
+    process, or replicated) is read directly; one split over several processes' devices is gathered
+    from all of them (``process_allgather``: every process must make the same call, in the same order,
+    as with every program of a multi-process job)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)

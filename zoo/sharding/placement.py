@@ -22,6 +22,9 @@ Which axes are read whole (and cut after storing):
   whole bytes on disk, so devices holding different blocks of the same rows share one read of
   those rows (``SliceView.rows``) and each stores only its own blocks.
 
+With several processes (``zoo.distributed``) each process does this for its own devices only: it
+reads the slices they hold and nothing else, and the shards of all processes form one global array.
+
 So host memory during a load is bounded by one read: one device's slice for column-parallel and
 expert-split weights, the rows they share for row-parallel quantized ones (``down`` split by input
 blocks), one tensor for float row-parallel weights and re-ordered ones; never by the model; and
@@ -153,9 +156,13 @@ def _relative(inner: Index, outer: Index) -> Index:
 
 
 def _groups(mesh, shape, spec, plan: ReadPlan) -> dict[Index, list[tuple[object, Index]]]:
-    """read index -> [(device, device index)] for ``shape`` split by ``spec``."""
+    """read index -> [(device, device index)] for ``shape`` split by ``spec``, over this process's
+    devices only (with several processes, ``zoo.distributed``, each reads and places its own)."""
     groups: dict[Index, list] = {}
+    me = jax.process_index()
     for device, index in NamedSharding(mesh, spec).devices_indices_map(tuple(shape)).items():
+        if device.process_index != me:
+            continue
         index = _normal(index, shape)
         groups.setdefault(plan.read_index(index, shape), []).append((device, index))
     return groups

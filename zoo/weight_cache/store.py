@@ -50,7 +50,7 @@ import numpy as np
 
 from zoo.formats import planes
 from zoo.models.architectures import ARCHITECTURES
-from zoo.sharding.mesh import value_specs
+from zoo.sharding.mesh import host_value, value_specs
 from zoo.text.tokenizer import Tokenizer
 
 MANIFEST = "manifest.json"
@@ -263,9 +263,11 @@ def save(model, root: str | Path, fp: dict, name: str) -> Path:
     Written to a temporary directory and renamed when complete; an existing complete entry with
     the same fingerprint is replaced."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    leader = jax.process_index() == 0
+    if leader:
+        root.mkdir(parents=True, exist_ok=True)
     final = root / f"{name}-{fingerprint_hash(fp)}"
-    tmp = root / f".partial-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f".partial-{final.name}-{_shared_token()}"
     params = _flat_params(model.module)
     groups: dict[str, dict[str, Any]] = {}
     entries = {}
@@ -280,21 +282,40 @@ def save(model, root: str | Path, fp: dict, name: str) -> Path:
     try:
         ckptr = _checkpointer()
         for group, arrays in _progress(groups.items(), "zoo cache save", len(groups)):
-            ckptr.save((tmp / "state" / group).absolute(), arrays)
-            digests[group] = group_digests(arrays)
-        if model.tokenizer is not None:
-            model.tokenizer.save(tmp)
-        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted((tmp / "state").rglob("*")) if f.is_file()}
-        manifest = {"format": CACHE_FORMAT, "fingerprint": fp, "config": _config_record(model.config),
-                    "params": entries, "digests": digests, "files": files, "created": time.time()}
-        (tmp / MANIFEST).write_text(json.dumps(manifest))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+            ckptr.save((tmp / "state" / group).absolute(), arrays)      # every process writes its shards
+            digests[group] = group_digests({k: host_value(a) for k, a in arrays.items()})
+        _barrier(f"zoo-cache-saved-{tmp.name}")
+        if leader:                                  # one process writes the manifest and renames
+            if model.tokenizer is not None:
+                model.tokenizer.save(tmp)
+            files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted((tmp / "state").rglob("*"))
+                     if f.is_file()}
+            manifest = {"format": CACHE_FORMAT, "fingerprint": fp, "config": _config_record(model.config),
+                        "params": entries, "digests": digests, "files": files, "created": time.time()}
+            (tmp / MANIFEST).write_text(json.dumps(manifest))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
     finally:
-        if tmp.exists():
+        if leader and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _barrier(f"zoo-cache-done-{tmp.name}")          # nobody reads the entry before it is complete
     return final
+
+
+def _shared_token() -> str:
+    """A random name part, the same in every process of the job (process 0's)."""
+    token = np.frombuffer(uuid.uuid4().bytes[:4], np.uint32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        token = multihost_utils.broadcast_one_to_all(token)
+    return f"{int(np.asarray(token)[0]):08x}"
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 # -- finding and restoring ---------------------------------------------------------------------------

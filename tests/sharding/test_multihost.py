@@ -1,0 +1,98 @@
+"""One model over several processes (``zoo.distributed``): 2 processes x 4 CPU devices (gloo
+collectives) against 1 process x 8 devices, both models, "tp" and "ep".
+
+Each process reads only its own devices' slices, every parameter is one global array, and the
+logits, MTP logits, greedy and speculative tokens equal the single-process run's. Startup errors
+(a process count the processes do not agree on, an unreachable coordinator, bad arguments) end with
+a clear error inside the timeout. Every process a test starts is ended by the test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tests.sharding.test_sharding import GLM, QWEN
+from tests.support.multihost import run_job, start, tail, wait_all
+from tests.support.random_checkpoints import write_random_checkpoint
+from zoo.distributed import DistributedError, check_args
+
+TOL = 1e-5
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_two_processes_match_one_both_models_both_layouts(tmp_path):
+    paths = {"qwen": str(write_random_checkpoint(tmp_path / "qwen", QWEN, seed=2)),
+             "glm": str(write_random_checkpoint(tmp_path / "glm", GLM, seed=1))}
+    args = {"paths": paths, "layouts": ["tp", "ep"]}
+    one = run_job("forward", args, tmp_path / "one", processes=1, devices=8)[0]
+    two = run_job("forward", args, tmp_path / "two", processes=2, devices=4)
+    assert [r["processes"] for r in two] == [2, 2] and one["processes"] == 1
+    for key in [f"{m}/{lay}" for m in paths for lay in args["layouts"]]:
+        for r in two:
+            for what in ("logits", "mtp"):
+                assert rel(r["arrays"][f"{key}/{what}"], one["arrays"][f"{key}/{what}"]) <= TOL, (key, what)
+            for what in ("greedy", "spec"):
+                assert np.array_equal(r["arrays"][f"{key}/{what}"], one["arrays"][f"{key}/{what}"]), (key, what)
+            # each process holds half of what one process over all 8 devices holds, and reads less
+            # than the whole checkpoint where the layout splits the weights it reads
+            assert r[key]["devices"] == 4
+            assert r[key]["local_param_bytes"] == one[key]["local_param_bytes"] // 2, (key, r[key], one[key])
+            assert r[key]["read_bytes"] <= one[key]["read_bytes"], key
+        if key.endswith("/tp"):
+            assert two[0][key]["read_bytes"] < 0.75 * one[key]["read_bytes"], (key, two[0][key], one[key])
+
+
+def test_bad_arguments_fail_before_connecting():
+    for args, match in [(("127.0.0.1:1234", 2, None), "together"), (("127.0.0.1", 2, 0), "HOST:PORT"),
+                        (("127.0.0.1:1234", 2, 2), "outside 0..1"), (("127.0.0.1:1234", 0, 0), ">= 1")]:
+        with pytest.raises(DistributedError, match=match):
+            check_args(*args)
+
+
+@pytest.mark.parametrize("case", ["missing process", "no coordinator"])
+def test_startup_that_cannot_complete_is_a_clear_error_in_bounded_time(tmp_path, case):
+    """Process 0 waits for a second process that never comes; a process pointed at a port where no
+    coordinator listens. Both end with ``DistributedError`` naming the coordinator within the timeout."""
+    kw = {"num_processes": 2} if case == "missing process" else {"num_processes": 2, "coordinator": "127.0.0.1:9"}
+    t0 = time.monotonic()
+    procs = start("tests.support.multihost_checks", ["join", '{"timeout_s": 5, "out": "%s"}' % tmp_path],
+                  1, 2, tmp_path, **kw)
+    if case == "no coordinator":                  # the process with id 0 is the one that serves; run id 1
+        procs[0].kill()
+        procs[0].wait()
+        procs = start("tests.support.multihost_checks", ["join", '{"timeout_s": 5, "out": "%s"}' % tmp_path],
+                      1, 2, tmp_path, env={"ZOO_PROCESS_ID": "1"}, **kw)
+    codes = wait_all(procs, timeout=90)
+    log = tail(tmp_path)
+    assert time.monotonic() - t0 < 90
+    if case == "missing process":                 # the watchdog's line, before XLA's own abort
+        assert codes == [2] and "could not join coordinator 127.0.0.1:" in log and "fewer came" in log, log
+    else:
+        assert codes == [1] and "DistributedError: the coordinator 127.0.0.1:9 is unreachable" in log, log
+
+
+def test_cache_saved_by_one_process_restores_on_two_and_the_reverse(tmp_path):
+    """The repacked-weight cache written by 1 process x 8 devices is restored by 2 x 4, and one written
+    by 2 x 4 (Orbax's multi-process save: each writes its shards, process 0 the manifest) by 1 x 8;
+    the same logits every way (GLM, "ep")."""
+    path = str(write_random_checkpoint(tmp_path / "glm", GLM, seed=1))
+    one_way = {"path": path, "cache_dir": str(tmp_path / "saved-by-one"), "layout": "ep"}
+    other_way = {**one_way, "cache_dir": str(tmp_path / "saved-by-two")}
+    saved = run_job("cache", one_way, tmp_path / "a", processes=1, devices=8)[0]
+    restored = run_job("cache", one_way, tmp_path / "b", processes=2, devices=4)
+    saved2 = run_job("cache", other_way, tmp_path / "c", processes=2, devices=4)
+    restored2 = run_job("cache", other_way, tmp_path / "d", processes=1, devices=8)[0]
+    assert saved["source"] != "cache" and [r["source"] for r in restored] == ["cache", "cache"]
+    assert [r["source"] for r in saved2] != ["cache"] * 2 and restored2["source"] == "cache"
+    assert len({r["cache_path"] for r in saved2}) == 1
+    entries = sorted(p.name for p in (tmp_path / "saved-by-two").iterdir())
+    assert len(entries) == 1 and not entries[0].startswith(".partial"), entries
+    want = saved["arrays"]["logits"]
+    for r in restored + saved2 + [restored2]:
+        assert rel(r["arrays"]["logits"], want) <= TOL

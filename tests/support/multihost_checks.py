@@ -1,0 +1,113 @@
+"""Checks run by every process of a multi-process job (``tests/sharding/test_multihost.py``)::
+
+    python -m tests.support.multihost_checks CHECK '{"out": DIR, ...}'     env: ZOO_COORDINATOR,
+        ZOO_NUM_PROCESSES, ZOO_PROCESS_ID (absent: one process), XLA_FLAGS with the device count
+
+Each process joins the job (``zoo.distributed.initialize``), runs CHECK, and writes what it measured
+to ``DIR/process-<id>.json`` and, for arrays the test compares, ``DIR/process-<id>.npz``. The same
+check run as one process over all the devices is the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _rss() -> tuple[int, int]:
+    """(current, peak) resident bytes of this process."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def forward(paths: dict, layouts: list[str], new_tokens: int = 4) -> tuple[dict, dict]:
+    """Each model (``paths``: name -> checkpoint) in each layout: float32 logits and MTP logits of fixed
+    prompts, the bytes this process read from the checkpoint, its host memory around the load, and
+    the bytes of the parameters' shards on its devices; greedy and speculative tokens."""
+    import jax
+
+    import zoo
+    from zoo.sources import safetensors as st
+
+    reads: list = []
+    opened = st.SafetensorsSource.__init__
+
+    def counting_init(self, *a, **kw):                  # count every read of every source the load opens
+        opened(self, *a, **kw)
+        read = self.read
+
+        def counted(key, index=()):
+            value = read(key, index)
+            reads.append(value.nbytes)
+            return value
+        self.read = counted
+    st.SafetensorsSource.__init__ = counting_init
+    rng = np.random.default_rng(7)
+    out, arrays = {}, {}
+    for name, path in paths.items():
+        for layout in layouts:
+            key = f"{name}/{layout}"
+            reads.clear()
+            before, _ = _rss()
+            t0 = time.perf_counter()
+            model = zoo.load(path, dtype="float32", mesh=layout)
+            load_s = time.perf_counter() - t0
+            after, peak = _rss()
+            vocab = model.config.vocab_size
+            ids = rng.integers(1, vocab, (2, 12))
+            arrays[f"{key}/logits"] = model.logits(ids)
+            arrays[f"{key}/mtp"] = model.mtp_logits(ids)
+            prompts = ids.tolist()
+            arrays[f"{key}/greedy"] = np.asarray([g.tokens for g in model.generate(prompts, max_new_tokens=new_tokens)])
+            arrays[f"{key}/spec"] = np.asarray([g.tokens for g in model.generate(prompts, max_new_tokens=new_tokens,
+                                                                                   spec_tokens=2)])
+            local = sum(s.data.nbytes for leaf in jax.tree.leaves(model.module) if hasattr(leaf, "addressable_shards")
+                        for s in leaf.addressable_shards)
+            out[key] = {"read_bytes": sum(reads), "load_s": load_s,
+                        "rss_before": before, "rss_after": after, "rss_peak": peak, "local_param_bytes": local,
+                        "devices": jax.local_device_count()}
+    return out, arrays
+
+
+def cache(path: str, cache_dir: str, layout: str) -> tuple[dict, dict]:
+    """``zoo.load(path, cache=cache_dir)`` on ``layout``: saved there when no entry matches, restored
+    otherwise; its logits of fixed prompts and where it came from."""
+    import zoo
+
+    model = zoo.load(path, dtype="float32", mesh=layout, cache=cache_dir)
+    ids = np.random.default_rng(7).integers(1, model.config.vocab_size, (2, 12))
+    return {"source": model.load_info["source"], "cache_path": model.load_info.get("cache_path")}, \
+        {"logits": model.logits(ids)}
+
+
+def join() -> tuple[dict, dict]:
+    """Only join the job: the global and local device counts."""
+    import jax
+    return {"devices": jax.device_count(), "local_devices": jax.local_device_count()}, {}
+
+
+CHECKS = {"forward": forward, "cache": cache, "join": join}
+
+
+def main() -> None:
+    import zoo.distributed
+
+    check, args = sys.argv[1], json.loads(sys.argv[2])
+    job = zoo.distributed.from_env()
+    if job:
+        zoo.distributed.initialize(**job, timeout_s=args.get("timeout_s", 60))
+    import jax
+
+    result, arrays = CHECKS[check](**{k: v for k, v in args.items() if k not in ("out", "timeout_s")})
+    me = jax.process_index()
+    out = Path(args["out"])
+    np.savez(out / f"process-{me}.npz", **arrays)
+    (out / f"process-{me}.json").write_text(json.dumps({"process": me, "processes": jax.process_count(), **result}))
+
+
+if __name__ == "__main__":
+    main()
