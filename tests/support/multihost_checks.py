@@ -84,13 +84,41 @@ def cache(path: str, cache_dir: str, layout: str) -> tuple[dict, dict]:
         {"logits": model.logits(ids)}
 
 
+def load_memory(path: str, layout: str = "tp") -> tuple[dict, dict]:
+    """Host memory of this process around loading ``path`` (float32) on ``layout``, after the runtime
+    is up: resident bytes before, after and at the peak (VmHWM reset first), the bytes read from the
+    checkpoint and the bytes of the parameters' shards on this process's devices."""
+    import jax
+
+    import zoo
+    from zoo.sources import safetensors as st
+
+    zoo.load("qwen38-tiny", dtype="float32", mesh=layout)          # imports, runtime, collectives up first
+    reads: list = []
+    read = st.SafetensorsSource.read
+
+    def counted(self, key, index=()):
+        value = read(self, key, index)
+        reads.append(value.nbytes)
+        return value
+    st.SafetensorsSource.read = counted
+    Path("/proc/self/clear_refs").write_text("5")
+    before, _ = _rss()
+    model = zoo.load(path, dtype="float32", mesh=layout)
+    after, peak = _rss()
+    local = sum(s.data.nbytes for leaf in jax.tree.leaves(model.module) if hasattr(leaf, "addressable_shards")
+                for s in leaf.addressable_shards)
+    return {"rss_before": before, "rss_after": after, "rss_peak": peak, "read_bytes": sum(reads),
+            "local_param_bytes": local}, {}
+
+
 def join() -> tuple[dict, dict]:
     """Only join the job: the global and local device counts."""
     import jax
     return {"devices": jax.device_count(), "local_devices": jax.local_device_count()}, {}
 
 
-CHECKS = {"forward": forward, "cache": cache, "join": join}
+CHECKS = {"forward": forward, "cache": cache, "load_memory": load_memory, "join": join}
 
 
 def main() -> None:
