@@ -72,9 +72,9 @@ from zoo.serving.masked_step import MaskedPrograms, pick_next
 from zoo.serving.prefix_cache import PrefixCache, Snapshot, token_strides
 from zoo.serving.prefix_rows import PrefixRows
 from zoo.serving.request import Generation, Request, fork_seed
-from zoo.serving.sampling import flag_nonfinite, row_keys, sample
+from zoo.serving.rows import default_memory_budget, embed, first_token, place
+from zoo.serving.sampling import flag_nonfinite, row_keys
 from zoo.serving.thinking import ThinkingBudget
-from zoo.serving.token_mask import apply_token_mask
 from zoo.sharding.cache_axes import cache_shardings, shard_cache
 from zoo.sharding.mesh import host_value, on_mesh
 
@@ -88,52 +88,6 @@ MIN_ROWS = 4          # the batch starts with this many rows (fewer compilations
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def default_memory_budget() -> int:
-    """Bytes the caches may use: 80% of the free accelerator memory, or a quarter of host RAM; with
-    several processes the least of theirs (admission decides alike in every process)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        budget = int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-    else:
-        budget = int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
-    return budget
-
-
-def _embed(old, new):
-    """Copy every leaf of ``old`` into the leading corner of the same leaf of ``new``."""
-    return jax.tree.map(lambda o, n: n.at[tuple(slice(0, d) for d in o.shape)].set(o.astype(n.dtype)), old, new)
-
-
-def _place(batch: dict, cache, first: jax.Array, h_last: jax.Array, params: dict, r, k: int) -> dict:
-    """A prefilled request into row ``r`` of ``batch``: its ``cache`` (one row), its carry from its
-    first token ``first`` [1] (and, with ``k`` MTP drafts, the prefill's last hidden state ``h_last``
-    [1, D] as its one pending MTP row), its sampling ``params`` ([1] leaves)."""
-    if k:
-        h = jnp.zeros((1, k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
-        tok = jnp.zeros((1, k + 1), jnp.int32).at[:, 0].set(first)
-        carry = {"h": h, "tok": tok, "n": jnp.ones((1,), jnp.int32)}
-    else:
-        carry = {"tok": first}
-    row = {"cache": cache, "carry": carry, "params": params}
-    return jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row)
-
-
-def _first_token(logits: jax.Array, params: dict, top_n: int | None = None, mask: jax.Array | None = None):
-    """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0; -1 where they are not
-    finite), masked by ``mask``
-    [B, W] if given; with ``top_n``, also its ``token_logprobs`` ([B, 1] leaves, unmasked logits)."""
-    keys = row_keys({**params, "step": jnp.zeros_like(params["step"])})
-    masked = logits if mask is None else apply_token_mask(logits, mask)
-    tok = sample(masked, keys, params["temperature"], params["top_k"], params["top_p"])
-    tok = jnp.where(jnp.isfinite(logits).all(axis=-1), tok, -1)     # -1: the prefill's logits are broken
-    if top_n is None:
-        return tok
-    return tok, token_logprobs(logits[:, None], tok[:, None], top_n)
 
 
 class Generator:
@@ -171,11 +125,11 @@ class Generator:
         self._cache_bytes: dict[tuple[int, int], int] = {}
         self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("top_n",))
         self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,), static_argnames=("top_n",))
-        self._place_fn = jax.jit(functools.partial(_place, k=self.k), donate_argnums=(0,))
+        self._place_fn = jax.jit(functools.partial(place, k=self.k), donate_argnums=(0,))
         self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
-        self._grow_fn = jax.jit(_embed, donate_argnums=(1,))
+        self._grow_fn = jax.jit(embed, donate_argnums=(1,))
         # jitted: eager sampling would recompile its cond per request
-        self._first_fn = jax.jit(_first_token, static_argnames=("top_n",))
+        self._first_fn = jax.jit(first_token, static_argnames=("top_n",))
         for name in ("_step_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_grow_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
         self._masked = MaskedPrograms(self._graphdef, self.k, getattr(model, "mesh", None))
