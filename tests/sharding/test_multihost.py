@@ -96,3 +96,18 @@ def test_cache_saved_by_one_process_restores_on_two_and_the_reverse(tmp_path):
     want = saved["arrays"]["logits"]
     for r in restored + saved2 + [restored2]:
         assert rel(r["arrays"]["logits"], want) <= TOL
+
+
+def test_an_engine_session_driven_by_process_0_replays_on_the_other(tmp_path):
+    """``zoo.serving.replica``: process 0 takes requests between steps (one arrives at step 3 and
+    samples, one is cancelled at step 5, MTP k=2) and publishes each step's arrivals and
+    cancellations; process 1 replays them. Process 0's tokens and finish reasons equal one process
+    running the same session, and process 1 replayed every step."""
+    path = str(write_random_checkpoint(tmp_path / "qwen", QWEN, seed=2))
+    args = {"path": path, "layout": "tp"}
+    one = run_job("replica", args, tmp_path / "one", processes=1, devices=8)[0]
+    leader, follower = run_job("replica", args, tmp_path / "two", processes=2, devices=4)
+    assert one["finish"] == ["length", "cancelled", "length"] and leader["finish"] == one["finish"]
+    assert follower["steps"] == leader["steps"] == one["steps"]
+    for key, want in one["arrays"].items():
+        assert np.array_equal(leader["arrays"][key], want), key

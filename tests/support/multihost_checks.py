@@ -112,13 +112,49 @@ def load_memory(path: str, layout: str = "tp") -> tuple[dict, dict]:
             "local_param_bytes": local}, {}
 
 
+def replica(path: str, layout: str = "tp", spec_tokens: int = 2) -> tuple[dict, dict]:
+    """An engine session driven by process 0 (``zoo.serving.replica``): requests arrive between
+    steps, one samples, one is cancelled mid-way; the other processes replay. One process: the same
+    session on a plain generator. Returns each request's tokens and finish reason."""
+    import jax
+
+    import zoo
+    from zoo.serving.generator import Generator
+    from zoo.serving.replica import Channel, Follower, Leader
+
+    model = zoo.load(path, dtype="float32", mesh=layout)
+    gen = Generator(model, spec_tokens=spec_tokens, prefix_cache=None)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, vocab, n).tolist() for n in (12, 20, 7)]
+    if jax.process_count() > 1 and jax.process_index() > 0:
+        steps = Follower(gen, Channel()).run(timeout_s=120)
+        return {"steps": steps}, {}
+    engine = Leader(gen, Channel()) if jax.process_count() > 1 else gen
+    reqs = [engine.submit(engine.make_request(prompts[0], max_new_tokens=12)),
+            engine.submit(engine.make_request(prompts[1], max_new_tokens=30, stop=[5]))]
+    steps = 0
+    while engine.has_work():
+        if steps == 3:
+            reqs.append(engine.submit(engine.make_request(prompts[2], max_new_tokens=10, temperature=0.8,
+                                                          top_p=0.9, seed=11)))
+        if steps == 5:
+            engine.cancel(reqs[1])
+        engine.step()
+        steps += 1
+    if isinstance(engine, Leader):
+        engine.close()
+    return {"steps": steps, "finish": [r.finish_reason for r in reqs]}, \
+        {f"tokens{i}": np.asarray(r.tokens, np.int64) for i, r in enumerate(reqs)}
+
+
 def join() -> tuple[dict, dict]:
     """Only join the job: the global and local device counts."""
     import jax
     return {"devices": jax.device_count(), "local_devices": jax.local_device_count()}, {}
 
 
-CHECKS = {"forward": forward, "cache": cache, "load_memory": load_memory, "join": join}
+CHECKS = {"forward": forward, "cache": cache, "load_memory": load_memory, "replica": replica, "join": join}
 
 
 def main() -> None:

@@ -1,0 +1,158 @@
+"""One engine over several processes: process 0 (the leader) decides, the others (followers) replay.
+
+Every process of a multi-process job (``zoo.distributed``) holds the same ``Generator`` over the same
+global model, and must run the same device programs in the same order. The generator's host logic is
+deterministic given what it is told before each step: which requests arrived (their prompt ids,
+sampling parameters, seed, stop ids and strings, grammar, thinking budget, choices) and which were
+cancelled. So the leader publishes that, per step, through JAX's distributed key-value store, and
+each follower applies it to its own generator and steps::
+
+    leader                                   follower
+    submit / cancel (any thread): queued      loop: plan n = get("zoo/plan/n") (blocks)
+    step n: plan = the queue; put plan n            apply its submits and cancels
+            apply it; Generator.step()              Generator.step()
+    close: put a plan with "stop"            ends on a plan with "stop"
+
+Only the leader's requests have callbacks (it serves HTTP); a follower's copies only drive its
+programs. Plans are JSON; a request's arguments are ``Generator.make_request``'s, minus callbacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+from zoo.serving.constraint import OutputGrammar
+
+PLAN_KEY = "zoo/plan"
+REPLAYED_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "thinking_budget",
+                 "thinking_opened", "logprobs", "prompt_logprobs", "n", "cache_marks")
+
+
+class Channel:
+    """Plans by step number over the job's key-value store (``jax.distributed``)."""
+
+    def __init__(self, client=None, prefix: str = PLAN_KEY):
+        if client is None:
+            from jax._src.distributed import global_state
+            client = global_state.client
+            if client is None:
+                raise RuntimeError("the distributed runtime is not running (zoo.distributed.initialize)")
+        self.client, self.prefix = client, prefix
+
+    def put(self, n: int, plan: dict) -> None:
+        self.client.key_value_set_bytes(f"{self.prefix}/{n}", json.dumps(plan).encode())
+
+    def get(self, n: int, timeout_s: float) -> dict:
+        return json.loads(self.client.blocking_key_value_get_bytes(f"{self.prefix}/{n}", int(timeout_s * 1000)))
+
+
+def request_args(prompt, kwargs: dict) -> dict:
+    """The JSON-able arguments of a ``make_request`` call (callbacks dropped)."""
+    out = {"prompt": [int(t) for t in prompt]}
+    for key in REPLAYED_ARGS:
+        if key in kwargs:
+            value = kwargs[key]
+            out[key] = list(value) if isinstance(value, tuple) else value
+    grammar = kwargs.get("grammar")
+    if grammar is not None:
+        out["grammar"] = dataclasses.asdict(grammar)
+    if kwargs.get("constraints") is not None:
+        raise ValueError("replicated requests take a grammar, not ready constraints")
+    return out
+
+
+def _grammar(d: dict | None) -> OutputGrammar | None:
+    if d is None:
+        return None
+    reasoning = d.get("reasoning")
+    return OutputGrammar(d["grammar"], tuple(tuple(w) for w in d.get("wait", ())),
+                         None if d.get("rearm") is None else tuple(d["rearm"]),
+                         None if reasoning is None else (reasoning[0], tuple(reasoning[1])))
+
+
+class Leader:
+    """Process 0's side: the engine's ``make_request`` / ``submit`` / ``cancel`` / ``step`` with every
+    step's arrivals and cancellations published first (see the module doc)."""
+
+    def __init__(self, generator, channel: Channel):
+        self.gen, self.channel = generator, channel
+        self.n = 0
+        self._lock = threading.Lock()
+        self._events: list[dict] = []
+        self._pending: list = []                 # (request, its events' id) submitted since the last step
+        self._ids: dict[int, int] = {}           # id(request) -> replica id
+        self._next_id = 0
+
+    def make_request(self, prompt, **kwargs):
+        req = self.gen.make_request(prompt, **kwargs)
+        req.replica_args = request_args(prompt, kwargs)
+        return req
+
+    def submit(self, req):
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+            self._ids[id(req)] = rid
+            self._events.append({"submit": rid, "args": req.replica_args})
+            self._pending.append(req)
+        self.gen._wakeup.set()
+        return req
+
+    def cancel(self, req) -> None:
+        with self._lock:
+            rid = self._ids.get(id(req))
+            if rid is not None:
+                self._events.append({"cancel": rid})
+        self.gen._wakeup.set()
+
+    def has_work(self) -> bool:
+        return bool(self._events) or self.gen.has_work()
+
+    def step(self) -> bool:
+        with self._lock:
+            events, pending = self._events, self._pending
+            self._events, self._pending = [], []
+        self.channel.put(self.n, {"events": events})
+        self.n += 1
+        by_id = {self._ids[id(r)]: r for r in pending}
+        for e in events:
+            if "submit" in e:
+                self.gen.submit(by_id[e["submit"]])
+            else:
+                req = next((r for r in self._live() if self._ids.get(id(r)) == e["cancel"]), None)
+                if req is not None:
+                    self.gen.cancel(req)
+        return self.gen.step()
+
+    def _live(self):
+        return [r for r in self.gen._rows if r is not None] + list(self.gen._waiting)
+
+    def close(self) -> None:
+        self.channel.put(self.n, {"stop": True})
+
+
+class Follower:
+    """A follower process's side: replay the leader's plans on ``generator`` until one says stop."""
+
+    def __init__(self, generator, channel: Channel):
+        self.gen, self.channel = generator, channel
+        self.reqs: dict[int, object] = {}
+        self.n = 0
+
+    def run(self, timeout_s: float = 3600.0) -> int:
+        """Replay until the leader stops; returns the steps replayed."""
+        while True:
+            plan = self.channel.get(self.n, timeout_s)
+            self.n += 1
+            if plan.get("stop"):
+                return self.n - 1
+            for e in plan["events"]:
+                if "submit" in e:
+                    args = dict(e["args"])
+                    prompt, grammar = args.pop("prompt"), _grammar(args.pop("grammar", None))
+                    self.reqs[e["submit"]] = self.gen.submit(self.gen.make_request(prompt, grammar=grammar, **args))
+                elif e["cancel"] in self.reqs:
+                    self.gen.cancel(self.reqs[e["cancel"]])
+            self.gen.step()
