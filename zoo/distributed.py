@@ -138,8 +138,3 @@ def _give_up(coordinator, num_processes, process_id, timeout_s) -> None:
           f"within {timeout_s} s: {num_processes} processes must join it, each with the same number of "
           f"processes and its own id; fewer came", file=sys.stderr, flush=True)
     os._exit(2)
-
-
-def is_leader() -> bool:
-    """Process 0: the one that serves HTTP and writes shared files."""
-    return jax.process_index() == 0

@@ -61,3 +61,12 @@ class CountingSource:
         out = self.inner.read(key, index)
         self.reads.append((key, index, out.nbytes))
         return out
+
+
+def rss() -> tuple[int, int]:
+    """(current, peak) resident bytes of this process (peak: since ``5`` was last written to
+    ``/proc/self/clear_refs``)."""
+    from pathlib import Path
+
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024

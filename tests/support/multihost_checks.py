@@ -17,11 +17,22 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.support.helpers import rss
 
-def _rss() -> tuple[int, int]:
-    """(current, peak) resident bytes of this process."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+def count_reads() -> list[int]:
+    """From now on, the bytes of every safetensors read of this process, appended to the list returned."""
+    from zoo.sources import safetensors as st
+
+    reads: list[int] = []
+    read = st.SafetensorsSource.read
+
+    def counted(self, key, index=()):
+        value = read(self, key, index)
+        reads.append(value.nbytes)
+        return value
+    st.SafetensorsSource.read = counted
+    return reads
 
 
 def forward(paths: dict, layouts: list[str], new_tokens: int = 4) -> tuple[dict, dict]:
@@ -31,32 +42,19 @@ def forward(paths: dict, layouts: list[str], new_tokens: int = 4) -> tuple[dict,
     import jax
 
     import zoo
-    from zoo.sources import safetensors as st
 
-    reads: list = []
-    opened = st.SafetensorsSource.__init__
-
-    def counting_init(self, *a, **kw):                  # count every read of every source the load opens
-        opened(self, *a, **kw)
-        read = self.read
-
-        def counted(key, index=()):
-            value = read(key, index)
-            reads.append(value.nbytes)
-            return value
-        self.read = counted
-    st.SafetensorsSource.__init__ = counting_init
+    reads = count_reads()
     rng = np.random.default_rng(7)
     out, arrays = {}, {}
     for name, path in paths.items():
         for layout in layouts:
             key = f"{name}/{layout}"
             reads.clear()
-            before, _ = _rss()
+            before, _ = rss()
             t0 = time.perf_counter()
             model = zoo.load(path, dtype="float32", mesh=layout)
             load_s = time.perf_counter() - t0
-            after, peak = _rss()
+            after, peak = rss()
             vocab = model.config.vocab_size
             ids = rng.integers(1, vocab, (2, 12))
             arrays[f"{key}/logits"] = model.logits(ids)
@@ -91,21 +89,13 @@ def load_memory(path: str, layout: str = "tp") -> tuple[dict, dict]:
     import jax
 
     import zoo
-    from zoo.sources import safetensors as st
 
     zoo.load("qwen38-tiny", dtype="float32", mesh=layout)          # imports, runtime, collectives up first
-    reads: list = []
-    read = st.SafetensorsSource.read
-
-    def counted(self, key, index=()):
-        value = read(self, key, index)
-        reads.append(value.nbytes)
-        return value
-    st.SafetensorsSource.read = counted
+    reads = count_reads()
     Path("/proc/self/clear_refs").write_text("5")
-    before, _ = _rss()
+    before, _ = rss()
     model = zoo.load(path, dtype="float32", mesh=layout)
-    after, peak = _rss()
+    after, peak = rss()
     local = sum(s.data.nbytes for leaf in jax.tree.leaves(model.module) if hasattr(leaf, "addressable_shards")
                 for s in leaf.addressable_shards)
     return {"rss_before": before, "rss_after": after, "rss_peak": peak, "read_bytes": sum(reads),

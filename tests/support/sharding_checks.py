@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import zoo
-from tests.support.helpers import CountingSource, rel_err
+from tests.support.helpers import CountingSource, rel_err, rss
 from zoo.sharding.cache_axes import cache_shardings
 from zoo.sharding.mesh import make_mesh, state_shardings
 
@@ -175,13 +175,6 @@ def tpu_kernel_calls(model, ids) -> int:
     return lowered.as_text().count("tpu_custom_call")
 
 
-def _rss() -> tuple[int, int]:
-    """(current, peak) resident bytes of this process (peak: since ``5`` was last written to
-    ``/proc/self/clear_refs``)."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-
-
 def memory(path: str, budget: int) -> dict:
     """Loading a float32 model onto 8 devices: host memory beyond the placed weights stays under
     ``budget`` (well under the model), and a column-parallel weight is read 1/8 at a time."""
@@ -197,9 +190,9 @@ def memory(path: str, budget: int) -> dict:
     nbytes = {k: files.info(k).dtype.itemsize * int(np.prod(files.info(k).shape)) for k in files.keys()}
     model_bytes = sum(nbytes.values())
     Path("/proc/self/clear_refs").write_text("5")                          # reset the peak (VmHWM)
-    before, _ = _rss()
+    before, _ = rss()
     model = zoo.load(path, dtype="float32", mesh=mesh)
-    after, peak = _rss()
+    after, peak = rss()
     placed = sum(s.data.nbytes for v in params(model).values() for x in jax.tree.leaves(v)
                  for s in x.addressable_shards)
     out = {"model_bytes": model_bytes, "placed_bytes": placed, "rss_before": before, "rss_after": after,

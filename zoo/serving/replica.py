@@ -55,11 +55,11 @@ def request_args(prompt, kwargs: dict) -> dict:
         if key in kwargs:
             value = kwargs[key]
             out[key] = list(value) if isinstance(value, tuple) else value
+    if kwargs.get("constraints") is not None:
+        raise ValueError("replicated requests take a grammar, not ready constraints")
     grammar = kwargs.get("grammar")
     if grammar is not None:
         out["grammar"] = dataclasses.asdict(grammar)
-    if kwargs.get("constraints") is not None:
-        raise ValueError("replicated requests take a grammar, not ready constraints")
     return out
 
 
@@ -74,37 +74,34 @@ def _grammar(d: dict | None) -> OutputGrammar | None:
 
 class Leader:
     """Process 0's side: the engine's ``make_request`` / ``submit`` / ``cancel`` / ``step`` with every
-    step's arrivals and cancellations published first (see the module doc)."""
+    step's arrivals and cancellations published first (see the module doc). A request's id in the
+    plans is ``req.replica_id``, given at submit."""
 
     def __init__(self, generator, channel: Channel):
         self.gen, self.channel = generator, channel
         self.n = 0
         self._lock = threading.Lock()
-        self._events: list[dict] = []
-        self._pending: list = []                 # (request, its events' id) submitted since the last step
-        self._ids: dict[int, int] = {}           # id(request) -> replica id
+        self._events: list[tuple[str, object]] = []     # ("submit" | "cancel", request) since the last step
         self._next_id = 0
 
     def make_request(self, prompt, **kwargs):
+        args = request_args(prompt, kwargs)             # refuses what cannot be replayed, before building
         req = self.gen.make_request(prompt, **kwargs)
-        req.replica_args = request_args(prompt, kwargs)
+        req.replica_args = args
         return req
 
     def submit(self, req):
         with self._lock:
-            rid = self._next_id
+            req.replica_id = self._next_id
             self._next_id += 1
-            self._ids[id(req)] = rid
-            self._events.append({"submit": rid, "args": req.replica_args})
-            self._pending.append(req)
+            self._events.append(("submit", req))
         self.gen._wakeup.set()
         return req
 
     def cancel(self, req) -> None:
         with self._lock:
-            rid = self._ids.get(id(req))
-            if rid is not None:
-                self._events.append({"cancel": rid})
+            if getattr(req, "replica_id", None) is not None:
+                self._events.append(("cancel", req))
         self.gen._wakeup.set()
 
     def has_work(self) -> bool:
@@ -112,22 +109,13 @@ class Leader:
 
     def step(self) -> bool:
         with self._lock:
-            events, pending = self._events, self._pending
-            self._events, self._pending = [], []
-        self.channel.put(self.n, {"events": events})
+            events, self._events = self._events, []
+        self.channel.put(self.n, {"events": [{"submit": r.replica_id, "args": r.replica_args} if kind == "submit"
+                                             else {"cancel": r.replica_id} for kind, r in events]})
         self.n += 1
-        by_id = {self._ids[id(r)]: r for r in pending}
-        for e in events:
-            if "submit" in e:
-                self.gen.submit(by_id[e["submit"]])
-            else:
-                req = next((r for r in self._live() if self._ids.get(id(r)) == e["cancel"]), None)
-                if req is not None:
-                    self.gen.cancel(req)
+        for kind, req in events:
+            (self.gen.submit if kind == "submit" else self.gen.cancel)(req)
         return self.gen.step()
-
-    def _live(self):
-        return [r for r in self.gen._rows if r is not None] + list(self.gen._waiting)
 
     def close(self) -> None:
         self.channel.put(self.n, {"stop": True})
