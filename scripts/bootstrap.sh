@@ -17,7 +17,7 @@ done
 [ -n "$py" ] || { echo "zoo needs Python >= 3.12 (python3.12 or python3); none found" >&2; exit 1; }
 
 [ -x .venv/bin/python ] || "$py" -m venv .venv
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir)
 case "$job" in
   serve)
     "${pip[@]}" -e .

@@ -48,6 +48,20 @@ def from_env() -> dict:
     return out
 
 
+def cluster_size() -> int:
+    """The processes of a cluster JAX detects on its own (a multi-host TPU slice, SLURM, Open MPI, ...),
+    1 when there is none: where this is > 1, ``initialize()`` needs no arguments."""
+    from jax._src.clusters import ClusterEnv
+
+    for env in ClusterEnv._cluster_types:
+        try:
+            if not env.opt_in_only_method and env.is_env_present():
+                return int(env.get_process_count())
+        except Exception:                           # a detector that cannot tell (no metadata server, ...)
+            continue
+    return 1
+
+
 def _int(what: str, value) -> int:
     try:
         return int(value)

@@ -1,6 +1,7 @@
 """The ``zoo`` command (also ``python -m zoo``).
 
     zoo serve [--model NAME|PATH] [--port N] [--api-key KEY] ...   OpenAI/Anthropic-compatible server
+                                     (``zoo.cli.serve``; one command per host for several processes)
     zoo generate --model NAME|PATH --prompt TEXT [--max-tokens N] [--temperature T] ...
     zoo models                       registered model names
     zoo inspect NAME|PATH            config and tensor inventory of a checkpoint, no weights loaded
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -66,47 +66,6 @@ def _generate(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    import secrets
-    from pathlib import Path
-
-    from zoo.serving.transport import bind
-
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    try:                                 # the port first: a port in use fails now, not after the model loads
-        sock = bind(args.host, args.port)
-    except OSError as e:
-        print(f"zoo serve: cannot listen on {host}:{args.port}: {(e.strerror or str(e)).lower()}", file=sys.stderr)
-        return 2
-    try:
-        import zoo
-        from zoo.serving.server import create_app, serve
-
-        key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
-        t0 = time.perf_counter()
-        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp)
-        name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
-        app = create_app(model, api_key=key, spec_tokens=args.spec, max_batch=args.max_batch,
-                         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
-                         queue_timeout_s=args.queue_timeout, model_name=name,
-                         tool_format=None if args.tool_format == "none" else args.tool_format,
-                         thinking_budget=args.thinking_budget, prefix_cache_gb=args.prefix_cache_gb,
-                         prefix_cache_host_gb=args.prefix_cache_host_gb,
-                         max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout_s=args.body_timeout)
-        base = f"http://{host}:{sock.getsockname()[1]}"
-        print(f"[zoo] loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        print(f"zoo serve: {name}\n  OpenAI base URL:    {base}/v1\n  Anthropic base URL: {base}\n  API key: {key}",
-              flush=True)
-        try:                             # until SIGTERM / SIGINT, after the drain (see zoo.serving.transport)
-            serve(app, sock, log_level=args.log_level, header_timeout_s=args.header_timeout,
-                  keepalive_timeout_s=args.keepalive_timeout, drain_seconds=args.drain_seconds)
-        except KeyboardInterrupt:        # a Ctrl-C that came before the server ran
-            pass
-    finally:
-        sock.close()
-    return 0
-
-
 def _models(args) -> int:
     from zoo.registry import REGISTRY
     for spec in REGISTRY.values():
@@ -138,65 +97,11 @@ def _inspect(args) -> int:
     return 0
 
 
-def _positive(text: str) -> float:
-    """An argparse type: a number > 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    """An argparse type: a number >= 0."""
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zoo", description="Flax NNX model zoo: serve, generate, inspect.")
     sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic APIs (default: the tiny model)")
-    s.add_argument("--model", default="qwen38-tiny", help="registry name or checkpoint path")
-    s.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipes)")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
-    s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
-    s.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
-    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
-    s.add_argument("--prefill-chunk", type=int, default=1024,
-                   help="prompt tokens per prefill program, a power of two (zoo compile reports what fits)")
-    s.add_argument("--prefix-cache-gb", type=float, default=None, metavar="N",
-                   help="GiB of accelerator memory for cached prompt prefixes (default: a quarter of the "
-                        "cache budget; 0: no prefix caching)")
-    s.add_argument("--prefix-cache-host-gb", type=float, default=None, metavar="N",
-                   help="GiB of host RAM for prefixes evicted from the accelerator (default: a tenth of RAM)")
-    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (more: 429)")
-    s.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
-    s.add_argument("--tool-format", default="auto", choices=["auto", "qwen", "glm", "none"],
-                   help="tool-call format to parse (auto: from the chat template / architecture)")
-    s.add_argument("--thinking-budget", type=int, default=None, metavar="N",
-                   help="force </think> after N reasoning tokens (default: unlimited; a request's own budget wins)")
-    s.add_argument("--max-body-mb", type=_positive, default=32.0, metavar="N",
-                   help="largest request body in MiB (default 32; larger: 413, before the body is read)")
-    s.add_argument("--body-timeout", type=_positive, default=30.0, metavar="S",
-                   help="seconds a request body may send nothing before the request gets 408 (default 30)")
-    s.add_argument("--header-timeout", type=_positive, default=30.0, metavar="S",
-                   help="seconds a connection has to send a complete request head; slow or half-open "
-                        "clients are disconnected (default 30)")
-    s.add_argument("--keepalive-timeout", type=_positive, default=5.0, metavar="S",
-                   help="seconds an idle keep-alive connection stays open (default 5)")
-    s.add_argument("--drain-seconds", type=_non_negative, default=30.0, metavar="S",
-                   help="on SIGTERM/SIGINT: new requests get 503, running ones may finish for S seconds "
-                        "(default 30), the rest end with an error event, then the server exits 0 "
-                        "(a second signal: at once)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.set_defaults(fn=_serve)
+    from zoo.cli import serve
+    serve.add_commands(sub)
 
     g = sub.add_parser("generate", help="generate text from a prompt (greedy by default)")
     g.add_argument("--model", default="qwen38-tiny", help="registry name or checkpoint path")

@@ -371,7 +371,8 @@ class Service:
                                               top_k=top_k, seed=random.getrandbits(31) if seed is None else seed,
                                               thinking_budget=thinking_budget, thinking_opened=thinking_opened,
                                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
-                                              constraints=constraints, cache_marks=tuple(cache_marks))
+                                              constraints=constraints, grammar=grammar,
+                                              cache_marks=tuple(cache_marks))
         except ValueError as e:                  # the engine's own checks of a request
             raise ApiError(400, str(e)) from None
         try:

@@ -175,11 +175,17 @@ class EngineThread:
             self.generator.run_forever(self._stop)
         except BaseException as e:          # the device state is unknown now: fail every request
             log.exception("the engine thread failed")
-            self.error = f"the engine failed: {type(e).__name__}: {e}"
-            with self._lock:
-                jobs = list(self._jobs)
-            for job in jobs:                # each waiting or streaming request ends now, with the error
-                job._call(job.end, self.error)
+            self.fail_all(f"the engine failed: {type(e).__name__}: {e}")
+
+    def fail_all(self, message: str, status: int = 500) -> None:
+        """The engine cannot go on (any thread): it is marked down with ``message`` (new requests get
+        503, ``/health`` says so) and each waiting or streaming request ends now with that error."""
+        if self.error is None:
+            self.error = message
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job._call(job.end, message, status)
 
     async def drain(self, seconds: float, poll: float = 0.05) -> None:
         """Shut down gracefully (call from the event loop): admit no new request (503 ``shutting_down``),
@@ -225,9 +231,10 @@ class EngineThread:
     def submit_choices(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
                        top_k: int, seed: int, thinking_budget: int | None = None, thinking_opened: bool = False,
                        logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
-                       constraints=None, cache_marks: tuple = ()) -> list[Job]:
+                       constraints=None, grammar=None, cache_marks: tuple = ()) -> list[Job]:
         """``submit`` with ``n`` choices of one prompt (prefilled once; ``Generator.make_request``),
-        a job each; ``constraints``: a ``Constraint`` per choice."""
+        a job each; ``constraints``: a ``Constraint`` per choice, built from ``grammar`` (an
+        ``OutputGrammar``; a replicated engine sends it to the other processes)."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if not self.alive:
@@ -239,7 +246,7 @@ class EngineThread:
                                             top_p=top_p, top_k=top_k, seed=seed, thinking_budget=thinking_budget,
                                             thinking_opened=thinking_opened, logprobs=logprobs,
                                             prompt_logprobs=prompt_logprobs, n=n, constraints=constraints,
-                                            cache_marks=cache_marks)
+                                            grammar=grammar, cache_marks=cache_marks)
         jobs = []
         for req in [first] + first.forks:
             job = Job(self, asyncio.get_running_loop())

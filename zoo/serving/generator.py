@@ -140,6 +140,7 @@ class Generator:
         self.prefills = 0                                   # prompts prefilled (a request's choices share one)
         self.steps = 0                                      # decode steps run
         self.faults = {"failed_requests": 0, "failed_steps": 0, "last_error": None}   # see ``step``
+        self.on_step_failure = None     # called with the error before a failed step fails its requests
 
     def _init_prefix_cache(self, prefix, host_gb, block) -> None:
         if prefix is None or isinstance(prefix, (int, float)):
@@ -560,6 +561,8 @@ class Generator:
     def _fail_batch(self, e: BaseException, also: Sequence[Request] = ()) -> None:
         """The step (or a program holding the batch) failed: fail every running request (and
         ``also``), drop the batch, and start the next requests on a new one."""
+        if self.on_step_failure is not None:    # a replicated engine first learns whether a process is lost
+            self.on_step_failure(e)
         log.error("the decode step failed; failing %d running request(s) and rebuilding the batch",
                   sum(r is not None for r in self._rows), exc_info=e)
         self.faults["failed_steps"] += 1

@@ -84,7 +84,9 @@ class MaskedPrograms:
 
     def _verify(self, state, batch, x_m, drafts, active):
         p_logits, h, cache, before = speculative.verify(self._model(state), batch["cache"], x_m, drafts, active)
-        return {**batch, "cache": shard_cache(cache)}, p_logits, h, before
+        # not pinned: the recurrent layers keep one state per verify position here ([B, k+1, ...], not
+        # the cache's declared axes) until ``settle`` rolls back to one
+        return {**batch, "cache": cache}, p_logits, h, before
 
     def _settle(self, state, batch, before, p_logits, h, q, drafts, active, force, cap, masks,
                 top_n: int | None = None):

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from zoo.sharding.cache_axes import map_with_axes, token_axis
+from zoo.sharding.mesh import host_value
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -245,7 +246,7 @@ class PrefixCache:
             entry = self._entry(kind, key)
             if entry.tier != "device":
                 continue
-            host = jax.tree.map(np.asarray, jax.device_get(entry.arrays))
+            host = jax.tree.map(host_value, entry.arrays)    # several processes: all of it on each
             self.device_used -= entry.nbytes
             entry.arrays, entry.tier, entry.nbytes = host, "host", nbytes(host, per_device=False)
             self.host_used += entry.nbytes

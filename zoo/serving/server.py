@@ -63,7 +63,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
                memory_budget: int | None = None, thinking_budget: int | None = None,
                prefix_cache_gb: float | None = None, prefix_cache_host_gb: float | None = None,
                max_body_bytes: int = transport.MAX_BODY_BYTES,
-               body_timeout_s: float | None = transport.BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout_s: float | None = transport.BODY_TIMEOUT_S, replica=None) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
@@ -77,8 +77,10 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     of a request takes its place. prefix_cache_gb / prefix_cache_host_gb: the prefix cache's device
     and host-RAM tiers in GiB (None: the defaults of ``Generator``; ``prefix_cache_gb`` 0: off).
     max_body_bytes: a larger request body gets 413 (in the API's error schema); body_timeout_s: a
-    request body that sends nothing for this long gets 408 (None: no limit). The engine is
-    ``app.state.service.engine``; ``serve`` drains it on SIGTERM.
+    request body that sends nothing for this long gets 408 (None: no limit). replica: for process 0
+    of a multi-process job, builds the engine the server drives from the ``Generator``
+    (``zoo.serving.replica.Leader``). The engine is ``app.state.service.engine``; ``serve`` drains it
+    on SIGTERM.
     """
     if thinking_budget is not None and thinking_budget < 1:
         raise ValueError(f"thinking_budget must be >= 1, got {thinking_budget}")
@@ -94,6 +96,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     metrics = Metrics()
     if generator.prefix is not None:
         metrics.watch_prefix_cache(generator.prefix)
+    if replica is not None:
+        generator = replica(generator)
     engine = EngineThread(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)

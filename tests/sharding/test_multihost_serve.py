@@ -1,0 +1,158 @@
+"""``zoo serve`` over several processes (``zoo.cli.serve``, ``zoo.serving.replica``): the real command
+on 2 processes x 4 CPU devices (gloo collectives) against 1 process x 8 devices.
+
+Process 0 serves HTTP and drives the engine; process 1 replays its steps. The same conversation
+through both SDKs (greedy and sampled chat, two choices, an output grammar, a tool call, a stream
+the client drops, a prefix-cache hit from host RAM, MTP drafts) gets the same answers as one
+process. A follower killed mid-stream ends that stream with an error naming it and process 0
+exits with status 3; a follower given another model is a clear error on both. Every process a
+test starts is ended by the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import time
+
+import anthropic
+import openai
+import pytest
+
+from tests.support.multihost import free_port, start, tail, wait_all
+from zoo.train import corpus
+
+KEY = "multihost-key"
+# float32: 1 x 8 and 2 x 4 devices reduce in other orders; the answers must not hinge on a bf16 tie.
+# A prefix-cache device tier of ~0.1 MB moves every entry to host RAM at once: hits restore from there.
+ARGS = ["serve", "--mesh", "tp", "--dtype", "float32", "--spec", "2", "--port", "0", "--log-level", "warning",
+        "--prefix-cache-gb", "0.0001", "--prefix-cache-host-gb", "1", "--follower-timeout", "5"]
+TOOLS = [corpus.TOOLS[n] for n in ("get_weather", "add")]     # the demo model's own tools
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+@contextlib.contextmanager
+def zoo_serve(logs, processes: int, devices: int, args=(), timeout: float = 240):
+    """``zoo serve`` as ``processes`` x ``devices``; yields (processes, OpenAI base URL) once process 0
+    printed its banner. On the way out every process still running gets SIGTERM (process 0) and is
+    killed past the drain."""
+    procs = start("zoo", [*ARGS, *args], processes, devices, logs, env={"ZOO_API_KEY": KEY})
+    try:
+        banner = logs / "process-0.log"
+        deadline = time.monotonic() + timeout
+        while "API key" not in banner.read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), tail(logs)
+            time.sleep(0.2)
+        yield procs, re.search(r"OpenAI base URL:\s+(\S+)", banner.read_text()).group(1)
+    finally:
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)
+        wait_all(procs, 60)
+
+
+def conversation(base_url: str) -> list:
+    """The same requests, in the same order, through both SDKs: what each answered."""
+    oa = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=120)
+    an = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=KEY, max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "What is 12+35?"}]
+    out = []
+
+    def chat(**kw):
+        r = oa.chat.completions.create(model="m", messages=kw.pop("messages", ask), max_tokens=kw.pop("max_tokens", 40),
+                                       **kw)
+        out.append([(c.message.content, getattr(c.message, "reasoning_content", None), c.finish_reason,
+                     [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []])
+                    for c in r.choices] + [r.usage.model_dump()])
+
+    chat(temperature=0)
+    chat(temperature=0.9, top_p=0.95, seed=7, n=2)
+    chat(temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+    chat(temperature=0, tools=TOOLS, max_tokens=128,
+         messages=[{"role": "user", "content": "What's the weather in Paris?"}])
+    with oa.chat.completions.create(model="m", messages=ask, max_tokens=200, temperature=0, stream=True) as s:
+        for i, _ in enumerate(s):                        # dropped after 3 chunks: its cancel is replayed too
+            if i == 2:
+                break
+    system = [{"type": "text", "text": "You are a careful calculator. Think, then answer with the number.",
+               "cache_control": {"type": "ephemeral"}}]
+    for question in ("What is 7+8?", "What is 30+4?"):     # the second restores the system prompt's state
+        m = an.messages.create(model="m", max_tokens=40, system=system, extra_body={"temperature": 0},
+                               messages=[{"role": "user", "content": question}])
+        out.append(([(b.type, getattr(b, "text", None) or getattr(b, "thinking", None)) for b in m.content],
+                    m.stop_reason, m.usage.model_dump()))
+    with an.messages.stream(model="m", max_tokens=40, extra_body={"temperature": 0},
+                            messages=[{"role": "user", "content": "Hi!"}]) as s:
+        out.append("".join(s.text_stream))
+    return out
+
+
+def test_a_conversation_through_process_0_equals_one_process(tmp_path):
+    with zoo_serve(tmp_path / "one", 1, 8) as (procs, url):
+        want = conversation(url)
+    assert wait_all(procs, 1) == [0]
+    with zoo_serve(tmp_path / "two", 2, 4) as (procs, url):
+        got = conversation(url)
+        procs[0].send_signal(signal.SIGTERM)             # the drain, then the followers are told to stop
+        codes = wait_all(procs, 60)
+    assert codes == [0, 0], tail(tmp_path / "two")
+    assert got == want
+    cached = [r[2]["cache_read_input_tokens"] for r in want[-3:-1]]
+    assert cached[0] == 0 and cached[1] > 0, cached     # a prefix restored from host RAM
+    assert any(c[3] for c in want[3][:-1]), want[3]      # the tool call the model made
+    assert "process 1 of 2" in (tmp_path / "two" / "process-1.log").read_text()
+
+
+def test_a_follower_killed_mid_stream_ends_it_with_an_error_and_process_0_exits_3(tmp_path):
+    with zoo_serve(tmp_path, 2, 4) as (procs, url):
+        oa = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+        chunks, error = 0, None
+        try:
+            for _ in oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell a story."}],
+                                                max_tokens=2000, temperature=0.7, stream=True):
+                chunks += 1
+                if chunks == 3:
+                    procs[1].kill()
+                    t_kill = time.monotonic()
+        except openai.APIError as e:
+            error = str(e)
+        assert chunks >= 3 and error is not None, (chunks, tail(tmp_path))
+        assert "process 1 of 2 stopped responding" in error, error
+        codes = wait_all(procs, 30)
+        took = time.monotonic() - t_kill
+    assert codes[0] == 3, tail(tmp_path)
+    assert took < 30                                       # bounded: --follower-timeout 5 plus the grace
+    assert "ending the requests in flight" in (tmp_path / "process-0.log").read_text()
+
+
+@pytest.mark.parametrize("case", ["model", "leader"])
+def test_a_follower_given_another_model_or_losing_its_leader_ends(tmp_path, case):
+    """A follower started with another model says so and exits 3, and process 0 names it and exits 3;
+    a follower whose process 0 is killed ends too (bounded)."""
+    follower = ["--model", "glm53-tiny"] if case == "model" else []
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = start("zoo", ARGS, 1, 4, tmp_path, num_processes=2, coordinator=coordinator, env={"ZOO_API_KEY": KEY})
+    logs1 = tmp_path / "one"        # process 1, with its own command line
+    procs += start("zoo", [*ARGS, *follower], 1, 4, logs1, num_processes=2, coordinator=coordinator,
+                   env={"ZOO_PROCESS_ID": "1"})
+    try:
+        if case == "leader":
+            deadline = time.monotonic() + 240
+            while "replaying" not in (logs1 / "process-0.log").read_text():
+                assert time.monotonic() < deadline and procs[1].poll() is None, tail(logs1)
+                time.sleep(0.2)
+            procs[0].kill()
+        codes = wait_all(procs, 120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    follower_log = (logs1 / "process-0.log").read_text()
+    if case == "model":
+        assert codes == [3, 3], tail(tmp_path) + tail(logs1)
+        assert "another model than process 0: --model 'glm53-tiny' (process 0: 'qwen38-tiny')" in follower_log
+        assert "process 1 of 2 failed: ValueError: this process was given another model" in \
+            (tmp_path / "process-0.log").read_text()
+    else:
+        assert codes[1] not in (0, None), follower_log[-3000:]

@@ -1,0 +1,273 @@
+"""``zoo serve``: the OpenAI- and Anthropic-compatible server, on one process or several.
+
+    zoo serve [--model NAME|PATH] [--quant RECIPE] [--mesh tp|ep] [--spec K] [--port N] ...
+    zoo serve ... --coordinator HOST:PORT --num-processes N --process-id I      one command per host
+
+With several processes (``zoo.distributed``: the three flags, the ``ZOO_COORDINATOR`` /
+``ZOO_NUM_PROCESSES`` / ``ZOO_PROCESS_ID`` variables, or nothing on a cluster JAX detects: a
+multi-host TPU slice, SLURM, Open MPI) every process loads the same model over one mesh of all
+their devices. Process 0 serves HTTP and runs the engine as a ``zoo.serving.replica.Leader``; the
+others serve nothing and replay its steps (``Follower``). Process 0 publishes the engine's settings
+(``zoo/serve/config`` in JAX's key-value store): the others check that they were given the same
+model and take the rest from it. A follower that dies, hangs or fails (``zoo.serving.replica_watch``)
+makes process 0 end the requests in flight with an error naming it and exit with status 3 within
+``--follower-timeout`` seconds; when process 0 stops (SIGTERM: after the drain), the followers
+stop too and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+CONFIG_KEY = "zoo/serve/config"
+LOAD_ARGS = ("model", "quant", "dtype", "mesh", "mtp")
+FAIL_GRACE_S = 2.0        # after a follower failed: time for the error to reach the clients before exiting
+EXIT_FOLLOWER_LOST = 3
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a number > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_commands(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic APIs (default: the tiny model)")
+    s.add_argument("--model", default="qwen38-tiny", help="registry name or checkpoint path")
+    s.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipes)")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
+    s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
+    s.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
+    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    s.add_argument("--prefill-chunk", type=int, default=1024,
+                   help="prompt tokens per prefill program, a power of two (zoo compile reports what fits)")
+    s.add_argument("--prefix-cache-gb", type=float, default=None, metavar="N",
+                   help="GiB of accelerator memory for cached prompt prefixes (default: a quarter of the "
+                        "cache budget; 0: no prefix caching)")
+    s.add_argument("--prefix-cache-host-gb", type=float, default=None, metavar="N",
+                   help="GiB of host RAM for prefixes evicted from the accelerator (default: a tenth of RAM)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (more: 429)")
+    s.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
+    s.add_argument("--tool-format", default="auto", choices=["auto", "qwen", "glm", "none"],
+                   help="tool-call format to parse (auto: from the chat template / architecture)")
+    s.add_argument("--thinking-budget", type=int, default=None, metavar="N",
+                   help="force </think> after N reasoning tokens (default: unlimited; a request's own budget wins)")
+    s.add_argument("--max-body-mb", type=_positive, default=32.0, metavar="N",
+                   help="largest request body in MiB (default 32; larger: 413, before the body is read)")
+    s.add_argument("--body-timeout", type=_positive, default=30.0, metavar="S",
+                   help="seconds a request body may send nothing before the request gets 408 (default 30)")
+    s.add_argument("--header-timeout", type=_positive, default=30.0, metavar="S",
+                   help="seconds a connection has to send a complete request head; slow or half-open "
+                        "clients are disconnected (default 30)")
+    s.add_argument("--keepalive-timeout", type=_positive, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    s.add_argument("--drain-seconds", type=_non_negative, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT: new requests get 503, running ones may finish for S seconds "
+                        "(default 30), the rest end with an error event, then the server exits 0 "
+                        "(a second signal: at once)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="several processes: process 0's address, the same on every host (default: "
+                        "$ZOO_COORDINATOR; on a TPU slice, SLURM or Open MPI, detected)")
+    s.add_argument("--num-processes", type=int, default=None, metavar="N", help="several processes: how many")
+    s.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="several processes: this one's id, 0 .. N-1 (0 serves HTTP)")
+    s.add_argument("--follower-timeout", type=_positive, default=10.0, metavar="S",
+                   help="several processes: a process silent for S seconds ends the job (default 10)")
+    s.set_defaults(fn=run)
+
+
+def _job(args) -> dict | None:
+    """``zoo.distributed.initialize``'s arguments, or None for one process."""
+    import zoo.distributed as dist
+
+    given = {"coordinator": args.coordinator, "num_processes": args.num_processes, "process_id": args.process_id}
+    if any(v is not None for v in given.values()):
+        return given
+    env = dist.from_env()
+    if env:
+        return env
+    return {} if dist.cluster_size() > 1 else None
+
+
+def run(args) -> int:
+    import zoo.distributed as dist
+
+    try:
+        job = _job(args)
+        if job is not None:
+            dist.check_args(job.get("coordinator"), job.get("num_processes"), job.get("process_id"))
+            if job.get("process_id", 0) == 0:
+                sock = _bind(args)                        # a port in use fails now, before joining the job
+                if sock is None:
+                    return 2
+                sock.close()
+            dist.initialize(**job, heartbeat_s=max(60, int(3 * args.follower_timeout)))
+    except dist.DistributedError as e:
+        print(f"zoo serve: {e}", file=sys.stderr)
+        return 2
+    import jax
+
+    if jax.process_count() == 1:
+        return _serve(args)
+    if jax.process_index() == 0:
+        return _lead(args)
+    return _follow(args)
+
+
+def _bind(args):
+    from zoo.serving.transport import bind
+
+    try:
+        return bind(args.host, args.port)
+    except OSError as e:
+        print(f"zoo serve: cannot listen on {_host(args)}:{args.port}: {(e.strerror or str(e)).lower()}",
+              file=sys.stderr)
+        return None
+
+
+def _host(args) -> str:
+    return f"[{args.host}]" if ":" in args.host else args.host
+
+
+def _load_args(args) -> dict:
+    return {key: getattr(args, key) for key in LOAD_ARGS}
+
+
+def _engine_args(args) -> dict:
+    """The settings that must be equal in every process's engine (``Generator``'s), resolved here."""
+    host_gb = args.prefix_cache_host_gb
+    if host_gb is None:                                  # the default depends on this host's RAM
+        host_gb = 0.1 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"spec_tokens": args.spec, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
+            "prefix_cache": args.prefix_cache_gb, "prefix_cache_host_gb": host_gb}
+
+
+def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int:
+    """Load, build the app and serve until SIGTERM / SIGINT (one process, or process 0 of several)."""
+    sock = _bind(args)
+    if sock is None:
+        return 2
+    try:
+        import zoo
+        from zoo.serving.server import create_app, serve
+
+        engine = engine or _engine_args(args)
+        key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
+        t0 = time.perf_counter()
+        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp)
+        name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
+        app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], max_batch=engine["max_batch"],
+                         prefill_chunk=engine["prefill_chunk"], max_queue=args.max_queue,
+                         queue_timeout_s=args.queue_timeout, model_name=name,
+                         tool_format=None if args.tool_format == "none" else args.tool_format,
+                         thinking_budget=args.thinking_budget, prefix_cache_gb=engine["prefix_cache"],
+                         prefix_cache_host_gb=engine["prefix_cache_host_gb"],
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout_s=args.body_timeout,
+                         replica=replica)
+        if on_ready is not None:
+            on_ready(app)
+        base = f"http://{_host(args)}:{sock.getsockname()[1]}"
+        print(f"[zoo] loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(f"zoo serve: {name}\n  OpenAI base URL:    {base}/v1\n  Anthropic base URL: {base}\n  API key: {key}",
+              flush=True)
+        try:                             # until SIGTERM / SIGINT, after the drain (see zoo.serving.transport)
+            serve(app, sock, log_level=args.log_level, header_timeout_s=args.header_timeout,
+                  keepalive_timeout_s=args.keepalive_timeout, drain_seconds=args.drain_seconds)
+        except KeyboardInterrupt:        # a Ctrl-C that came before the server ran
+            pass
+    finally:
+        sock.close()
+    return 0
+
+
+def _lead(args) -> int:
+    """Process 0 of several: publish the settings, watch the followers, serve."""
+    import jax
+    from jax._src.distributed import global_state
+
+    from zoo.serving.replica import Channel, Leader
+    from zoo.serving.replica_watch import Watchdog
+
+    client, count = global_state.client, jax.process_count()
+    engine = _engine_args(args)
+    client.key_value_set_bytes(CONFIG_KEY, json.dumps({"load": _load_args(args), "engine": engine}).encode())
+    channel = Channel(client)
+    app_engine = []
+
+    def on_failure(message: str) -> None:              # the watchdog's thread
+        print(f"zoo serve: {message}; ending the requests in flight and exiting", file=sys.stderr, flush=True)
+        if app_engine:
+            app_engine[0].fail_all(f"the server lost a process: {message}", status=503)
+        time.sleep(FAIL_GRACE_S)
+        os._exit(EXIT_FOLLOWER_LOST)
+
+    watchdog = Watchdog(client, list(range(1, count)), args.follower_timeout, on_failure, channel=channel).start()
+    print(f"zoo serve: process 0 of {count} ({jax.local_device_count()} of {jax.device_count()} devices); "
+          f"serving HTTP for all", file=sys.stderr, flush=True)
+    try:
+        def leader(gen):
+            gen.on_step_failure = lambda e: watchdog.settle()
+            return Leader(gen, channel)
+
+        return _serve(args, engine, replica=leader,
+                      on_ready=lambda app: app_engine.append(app.state.service.engine))
+    finally:
+        watchdog.stop()                                  # the followers stop after the stop plan: not a failure
+
+
+def _follow(args) -> int:
+    """Process I > 0 of several: take process 0's settings, load the same model, replay its steps."""
+    import jax
+    from jax._src.distributed import global_state
+
+    import zoo
+    from zoo.serving.generator import Generator
+    from zoo.serving.replica import Channel, Follower
+    from zoo.serving.replica_watch import Heartbeat
+
+    client, me, count = global_state.client, jax.process_index(), jax.process_count()
+    follower = None
+    heartbeat = Heartbeat(client, me, progress=lambda: follower.n if follower is not None else 0).start()
+    try:
+        config = json.loads(client.blocking_key_value_get_bytes(CONFIG_KEY, 120_000))
+        mine = _load_args(args)
+        differ = [f"--{k} {mine[k]!r} (process 0: {config['load'][k]!r})" for k in LOAD_ARGS
+                  if mine[k] != config["load"][k]]
+        if differ:
+            raise ValueError(f"this process was given another model than process 0: {', '.join(differ)}; "
+                             f"give every process the same command but --process-id")
+        print(f"zoo serve: process {me} of {count} ({jax.local_device_count()} of {jax.device_count()} devices); "
+              f"replaying process 0's engine, no HTTP here", file=sys.stderr, flush=True)
+        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp)
+        follower = Follower(Generator(model, **config["engine"]), Channel(client))
+        steps = follower.run()
+    except Exception as e:
+        message = f"{type(e).__name__}: {e}"
+        heartbeat.fail(message)
+        print(f"zoo serve: process {me} failed: {message}", file=sys.stderr, flush=True)
+        os._exit(EXIT_FOLLOWER_LOST)     # not through the runtime's shutdown barrier: process 0 is leaving too
+    heartbeat.stop()
+    print(f"zoo serve: process {me}: process 0 stopped after {steps} steps", file=sys.stderr, flush=True)
+    return 0
