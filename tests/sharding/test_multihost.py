@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.sharding.test_sharding import GLM, QWEN
+from tests.sharding.test_sharding import GLM, QWEN, QWEN_BIG
 from tests.support.multihost import run_job, start, tail, wait_all
 from tests.support.random_checkpoints import write_random_checkpoint
 from zoo.distributed import DistributedError, check_args
@@ -96,6 +96,24 @@ def test_cache_saved_by_one_process_restores_on_two_and_the_reverse(tmp_path):
     want = saved["arrays"]["logits"]
     for r in restored + saved2 + [restored2]:
         assert rel(r["arrays"]["logits"], want) <= TOL
+
+
+def test_each_process_restores_only_its_own_shards_of_the_cache(tmp_path):
+    """A cache of a ~200 MB model saved by 1 x 8 ("tp") and restored by 2 x 4: each process reads
+    (``rchar``: every byte through a system call) about the bytes of its own devices' distinct
+    shards, well under the whole state, and its digests check; the logits equal the saver's."""
+    path = str(write_random_checkpoint(tmp_path / "big", QWEN_BIG, seed=3))
+    args = {"path": path, "cache_dir": str(tmp_path / "cache"), "layout": "tp"}
+    saved = run_job("cache", args, tmp_path / "a", processes=1, devices=8)[0]
+    restored = run_job("cache", args, tmp_path / "b", processes=2, devices=4)
+    state = sum(f.stat().st_size for f in (tmp_path / "cache").rglob("*") if f.is_file() and "state" in f.parts)
+    print(f"cache state {state / 1e6:.1f} MB; each of 2 x 4 read "
+          f"{[round(r['read_chars'] / 1e6, 1) for r in restored]} MB for its "
+          f"{[round(r['local_bytes'] / 1e6, 1) for r in restored]} MB of shards")
+    for r in restored:
+        assert r["source"] == "cache" and rel(r["arrays"]["logits"], saved["arrays"]["logits"]) <= TOL
+        assert r["local_bytes"] < 0.8 * state
+        assert r["read_chars"] < 1.05 * r["local_bytes"] + (1 << 20), (r["read_chars"], r["local_bytes"])
 
 
 def test_an_engine_session_driven_by_process_0_replays_on_the_other(tmp_path):

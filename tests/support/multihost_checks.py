@@ -74,12 +74,45 @@ def forward(paths: dict, layouts: list[str], new_tokens: int = 4) -> tuple[dict,
 def cache(path: str, cache_dir: str, layout: str) -> tuple[dict, dict]:
     """``zoo.load(path, cache=cache_dir)`` on ``layout``: saved there when no entry matches, restored
     otherwise; its logits of fixed prompts and where it came from."""
-    import zoo
+    import orbax.checkpoint  # noqa: F401  (imported now: its module files are not the cache's reads)
 
+    import zoo
+    from zoo.weight_cache import store
+
+    reads = []
+    read_group = store._read_group
+
+    def counted(*args, **kwargs):                # what reading the groups' state reads (not the tokenizer)
+        before = read_chars()
+        out = read_group(*args, **kwargs)
+        reads.append(read_chars() - before)
+        return out
+    store._read_group = counted
     model = zoo.load(path, dtype="float32", mesh=layout, cache=cache_dir)
     ids = np.random.default_rng(7).integers(1, model.config.vocab_size, (2, 12))
-    return {"source": model.load_info["source"], "cache_path": model.load_info.get("cache_path")}, \
-        {"logits": model.logits(ids)}
+    return {"source": model.load_info["source"], "cache_path": model.load_info.get("cache_path"),
+            "read_chars": sum(reads), "local_bytes": local_bytes(model)}, {"logits": model.logits(ids)}
+
+
+def local_bytes(model) -> int:
+    """The bytes of the distinct parameter shards on this process's devices (a shard held by two of
+    its devices counts once)."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(model.module):
+        if hasattr(leaf, "addressable_shards"):
+            seen = {}
+            for s in leaf.addressable_shards:
+                seen.setdefault(str(s.index), s.data.nbytes)
+            total += sum(seen.values())
+    return total
+
+
+def read_chars() -> int:
+    """Bytes this process has read through system calls so far (``rchar``: files, whether or not
+    they were in the page cache)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
 
 
 def load_memory(path: str, layout: str = "tp") -> tuple[dict, dict]:

@@ -11,7 +11,8 @@ killed half-way leaves nothing a later load accepts)::
                     a known stored-weight type with its static metadata) and leaves
     state/<group>/  one Orbax checkpoint per parameter group (embedding, each layer, head, MTP):
                     host memory during a restore is bounded by a group, and progress is shown
-                    (the manifest also holds a CRC-32 digest of every leaf, checked on restore)
+                    (the manifest also holds a CRC-32 digest of every saved shard of every leaf,
+                    checked on restore: ``zoo.weight_cache.digests``)
     tokenizer.json, tokenizer_config.json   when the model has a tokenizer
 
 The **fingerprint** names what was loaded: the request (model, recipe, dtype, the zoo storage
@@ -21,8 +22,8 @@ sources are on this machine, the sources match too; otherwise the load rebuilds 
 
 Restoring builds the abstract model first and targets each leaf's ``NamedSharding`` on the
 requested mesh (never the layout it was saved with), so a cache written on one mesh restores on
-another: a group is read to host memory, its digests are checked, then each leaf is placed on its
-sharding. Single host: the host reads whole groups (as the loader reads whole tensors). Caches are
+another: Orbax reads each group straight onto its shardings, each process only the chunks of its
+own devices' shards, and the digests are checked on the host copies of those shards. Caches are
 also found (read-only) under the search roots, by default every dataset folder in ``/kaggle/input``
 (``ZOO_CACHE_SEARCH`` = colon-separated roots overrides it).
 """
@@ -50,14 +51,15 @@ import numpy as np
 
 from zoo.formats import planes
 from zoo.models.architectures import ARCHITECTURES
-from zoo.sharding.mesh import host_value, value_specs
+from zoo.sharding.mesh import value_specs
 from zoo.text.tokenizer import Tokenizer
+from zoo.weight_cache import digests as shard_digests
 
 MANIFEST = "manifest.json"
-# 5: GLM MLA kv_b stored [H*(dn+dv), C] as the checkpoint keeps it; 4: the package layout of the
-# redesign (config classes, architecture ids); 3: + the size of every state file; 2: zarr2 + OCDBT
-# without zstd; 1: zarr3 + zstd
-CACHE_FORMAT = 5
+# 6: digests per saved shard (a process checks what it read); 5: GLM MLA kv_b stored [H*(dn+dv), C] as
+# the checkpoint keeps it; 4: the package layout of the redesign (config classes, architecture ids);
+# 3: + the size of every state file; 2: zarr2 + OCDBT without zstd; 1: zarr3 + zstd
+CACHE_FORMAT = 6
 HASHED_BYTES = 16 * 2**20
 DEFAULT_SEARCH_ROOTS = ("/kaggle/input",)
 # Stored-weight types a manifest may name (a cache is data: nothing else is ever instantiated).
@@ -218,9 +220,9 @@ def host_digest(a: np.ndarray) -> int:
     return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), len(data) & 0xFFFFFFFF)
 
 
-def group_digests(arrays: dict[str, Any]) -> dict[str, int]:
-    """Digests of a group's leaves (jax arrays are fetched to the host; on CPU that is no copy)."""
-    return {k: host_digest(np.asarray(jax.device_get(v))) for k, v in arrays.items()}
+def group_records(arrays: dict[str, Any]) -> dict[str, list]:
+    """The digest records of this process's shards of a group's leaves (``zoo.weight_cache.digests``)."""
+    return {k: shard_digests.shard_records(v, host_digest) for k, v in arrays.items()}
 
 
 def _checkpointer():
@@ -278,14 +280,16 @@ def save(model, root: str | Path, fp: dict, name: str) -> Path:
         leaves = jax.tree.leaves(value)
         group.update({str(first + i): leaf for i, leaf in enumerate(leaves)})
         entries[path] = {**describe(value), "group": _group(path), "first": first}
-    digests = {}
+    records = {}
     try:
         ckptr = _checkpointer()
         for group, arrays in _progress(groups.items(), "zoo cache save", len(groups)):
             ckptr.save((tmp / "state" / group).absolute(), arrays)      # every process writes its shards
-            digests[group] = group_digests({k: host_value(a) for k, a in arrays.items()})
+            records[group] = group_records(arrays)                      # and digests them
+        parts = _gather(f"zoo/cache/{tmp.name}", records)
         _barrier(f"zoo-cache-saved-{tmp.name}")
         if leader:                                  # one process writes the manifest and renames
+            digests = shard_digests.merge(parts)
             if model.tokenizer is not None:
                 model.tokenizer.save(tmp)
             files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted((tmp / "state").rglob("*"))
@@ -310,6 +314,20 @@ def _shared_token() -> str:
         from jax.experimental import multihost_utils
         token = multihost_utils.broadcast_one_to_all(token)
     return f"{int(np.asarray(token)[0]):08x}"
+
+
+def _gather(key: str, value) -> list:
+    """Every process's JSON-able ``value`` (in process order) on process 0 (the others get []),
+    through the job's key-value store."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax._src.distributed import global_state
+
+    client, me = global_state.client, jax.process_index()
+    client.key_value_set_bytes(f"{key}/{me}", json.dumps(value).encode())
+    if me:
+        return []
+    return [json.loads(client.blocking_key_value_get_bytes(f"{key}/{i}", 600_000)) for i in range(jax.process_count())]
 
 
 def _barrier(name: str) -> None:
@@ -378,8 +396,9 @@ def _check_files(entry: Path, group: str, files: dict[str, int]) -> None:
 
 
 def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtypeStruct],
-                files: dict[str, int]) -> dict[str, np.ndarray]:
-    """One parameter group's leaves as host arrays, checked against the target's shapes and dtypes."""
+                files: dict[str, int]) -> dict[str, jax.Array]:
+    """One parameter group's leaves on their target shardings (each process reads the chunks of its
+    own devices' shards), checked against the target's shapes and dtypes."""
     import orbax.checkpoint as ocp
 
     state_dir = (entry / "state" / group).absolute()
@@ -387,8 +406,9 @@ def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtype
         raise CacheError(f"{entry}: missing state for parameter group {group!r}")
     _check_files(entry, group, files)
     args = ocp.args.PyTreeRestore(
-        item={k: np.empty(0, t.dtype) for k, t in target.items()},
-        restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype) for k, t in target.items()})
+        item=dict(target),
+        restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
+                      for k, t in target.items()})
     try:
         host = ckptr.restore(state_dir, args=args)
     except Exception as e:      # orbax/tensorstore raise many kinds on truncated or missing files
@@ -436,12 +456,12 @@ def restore(entry: Path, mesh=None, dtype=None):
     ckptr = _checkpointer()
     restored = {}
     for group, target in _progress(targets.items(), "zoo cache restore", len(targets)):
-        host = _read_group(ckptr, entry, group, target, manifest["files"])
-        if group_digests(host) != manifest["digests"].get(group):
+        arrays = _read_group(ckptr, entry, group, target, manifest["files"])
+        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), host_digest)
+        if bad is not None:
             raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
-                             f"(corrupted cache)")
-        restored[group] = {k: jax.device_put(a, target[k].sharding) for k, a in host.items()}
-        del host
+                             f"at leaf {bad} (corrupted cache)")
+        restored[group] = arrays
     for path, rec in manifest["params"].items():
         leaves = [restored[rec["group"]][str(rec["first"] + i)] for i in range(len(rec["leaves"]))]
         variables[path].set_value(jax.tree.unflatten(jax.tree.structure(rec["_abstract"]), leaves))
