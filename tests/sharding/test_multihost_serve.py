@@ -11,9 +11,13 @@ test starts is ended by the test.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import anthropic
@@ -169,3 +173,32 @@ def test_a_follower_given_another_model_or_losing_its_leader_ends(tmp_path, case
             (tmp_path / "process-0.log").read_text()
     else:
         assert codes[1] not in (0, None), follower_log[-3000:]
+
+
+def test_bad_job_arguments_are_one_clear_line_before_anything_loads():
+    for argv, why in [(["--process-id", "1"], "give the coordinator address, the number of processes"),
+                      (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"],
+                       "coordinator address must be HOST:PORT, got 'nohost'"),
+                      (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+                       "process id 2 is outside 0..1")]:
+        r = subprocess.run([sys.executable, "-m", "zoo", "serve", *argv], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert r.returncode == 2 and r.stderr.startswith("zoo serve: ") and why in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "loaded" not in r.stderr
+
+
+def test_a_cluster_jax_detects_needs_no_arguments(monkeypatch):
+    """Where JAX detects a cluster (here SLURM's variables), ``zoo serve`` joins it with no flags."""
+    from zoo.cli.serve import _job
+    from zoo.distributed import cluster_size
+
+    args = argparse.Namespace(coordinator=None, num_processes=None, process_id=None)
+    for var in ("ZOO_COORDINATOR", "ZOO_NUM_PROCESSES", "ZOO_PROCESS_ID", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(var, raising=False)
+    assert cluster_size() == 1 and _job(args) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-4]")
+    assert cluster_size() == 4 and _job(args) == {}
