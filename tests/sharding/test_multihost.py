@@ -16,6 +16,7 @@ import pytest
 
 from tests.sharding.test_sharding import GLM, QWEN, QWEN_BIG
 from tests.support.multihost import run_job, start, tail, wait_all
+from tests.support.paths import DATA
 from tests.support.random_checkpoints import write_random_checkpoint
 from zoo.distributed import DistributedError, check_args
 
@@ -114,6 +115,19 @@ def test_each_process_restores_only_its_own_shards_of_the_cache(tmp_path):
         assert r["source"] == "cache" and rel(r["arrays"]["logits"], saved["arrays"]["logits"]) <= TOL
         assert r["local_bytes"] < 0.8 * state
         assert r["read_chars"] < 1.05 * r["local_bytes"] + (1 << 20), (r["read_chars"], r["local_bytes"])
+
+
+def test_a_quantized_gguf_over_two_processes_matches_one(tmp_path):
+    """llama.cpp's GLM q256 fixture (IQ2_S / IQ3_S / Q6_K / Q8_0 experts and projections, kept in their
+    ggml types) on "ep": 2 x 4 gives one process x 8's logits, and each process reads half of the
+    routed experts' bytes that one process reads (its own devices' experts; "ep" replicates the rest)."""
+    args = {"path": str(DATA / "glm53-q256-udmix.gguf"), "layout": "ep"}
+    one = run_job("gguf", args, tmp_path / "one", processes=1, devices=8)[0]
+    two = run_job("gguf", args, tmp_path / "two", processes=2, devices=4)
+    print(f"GGUF bytes read: 1 x 8 {one['read_bytes']}, each of 2 x 4 {[r['read_bytes'] for r in two]}")
+    for r in two:
+        assert rel(r["arrays"]["logits"], one["arrays"]["logits"]) <= TOL
+        assert r["read_bytes"]["experts"] == one["read_bytes"]["experts"] // 2
 
 
 def test_an_engine_session_driven_by_process_0_replays_on_the_other(tmp_path):

@@ -171,13 +171,34 @@ def replica(path: str, layout: str = "tp", spec_tokens: int = 2) -> tuple[dict, 
         {f"tokens{i}": np.asarray(r.tokens, np.int64) for i, r in enumerate(reqs)}
 
 
+def gguf(path: str, layout: str) -> tuple[dict, dict]:
+    """A llama.cpp GGUF (quantized, kept in its ggml types) loaded on ``layout``: its float32 logits of
+    the fixture's prompt and the bytes this process read from the file, of routed experts and of the
+    rest."""
+    import zoo
+    from zoo.sources.gguf import GGUFSource
+
+    reads = {"experts": 0, "other": 0}
+    read = GGUFSource.read
+
+    def counted(self, key, index=()):
+        value = read(self, key, index)
+        reads["experts" if "_exps" in key else "other"] += value.nbytes
+        return value
+    GGUFSource.read = counted
+    model = zoo.load(path, dtype="float32", mesh=layout)
+    ids = np.load(Path(path).with_name(Path(path).name.split("-udmix")[0] + ".input_ids.npy"))
+    return {"read_bytes": reads}, {"logits": model.logits(ids)}
+
+
 def join() -> tuple[dict, dict]:
     """Only join the job: the global and local device counts."""
     import jax
     return {"devices": jax.device_count(), "local_devices": jax.local_device_count()}, {}
 
 
-CHECKS = {"forward": forward, "cache": cache, "load_memory": load_memory, "replica": replica, "join": join}
+CHECKS = {"forward": forward, "cache": cache, "load_memory": load_memory, "replica": replica, "join": join,
+          "gguf": gguf}
 
 
 def main() -> None:
