@@ -431,6 +431,15 @@ class Generator:
 
     # -- stepping -----------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
+        self.check(req)
+        req.stats.setdefault("submitted", time.perf_counter())
+        with self._lock:
+            self._waiting.append(req)
+        self._wakeup.set()
+        return req
+
+    def check(self, req: Request) -> None:
+        """``ValueError`` for a request ``submit`` refuses (before it is queued anywhere)."""
         if not req.prompt:
             raise ValueError("a request needs at least one prompt token")
         if req.max_new_tokens < (0 if req.prompt_logprobs is not None else 1):
@@ -439,11 +448,6 @@ class Generator:
             n = getattr(req, name)
             if n is not None and not 0 <= n <= MAX_TOP:
                 raise ValueError(f"{name} must be in 0..{MAX_TOP}, got {n}")
-        req.stats.setdefault("submitted", time.perf_counter())
-        with self._lock:
-            self._waiting.append(req)
-        self._wakeup.set()
-        return req
 
     def cancel(self, req: Request) -> None:
         """Ask the engine to stop ``req`` (thread-safe); it finishes as "cancelled" at the next step

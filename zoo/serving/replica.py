@@ -128,6 +128,7 @@ class Leader:
     def submit(self, req):
         if self.closed:
             raise RuntimeError("the replicated engine is closed")
+        self.gen.check(req)                             # refused here (a 400), not at the step, on every process
         with self._lock:
             for member in [req] + req.forks:
                 member.replica_id = self._next_id
