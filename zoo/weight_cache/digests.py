@@ -6,12 +6,14 @@ restore checks them. A leaf's record is a list of its saved shards::
     [[start, ...], [size, ...], crc]      one per distinct shard (replicas are written once)
 
 Each process computes the records of the shards it holds (``shard_records``) and the save gathers
-them (``merge``). A restore reads only the chunks of its own devices' shards (Orbax's sharded
-restore), so ``verify`` checks each saved shard that lies inside a shard this process holds, on the
-host, as it came back. The processes then agree (a small all-gather): a saved shard that no process
-holds whole (the entry was saved on a coarser mesh than it is restored on, e.g. by one device and
-restored over eight) is checked on the gathered leaf, every process making the same calls; a bad
-shard anywhere fails the restore everywhere, so no process goes on alone.
+them (``merge``). One process restores whole leaves to the host and checks every record there,
+before anything is placed on a device. Several processes restore only the chunks of their own
+devices' shards (Orbax's sharded restore), so ``verify`` checks each saved shard that lies inside a
+shard this process holds, on a host copy of it. The processes then agree (a small all-gather): a
+saved shard that no process holds whole (the entry was saved on a coarser mesh than it is restored
+on, e.g. by one device and restored over eight) is checked on the gathered leaf, every process
+making the same calls; a bad shard anywhere fails the restore everywhere, so no process goes on
+alone.
 """
 
 from __future__ import annotations
@@ -61,10 +63,17 @@ def _check(block: np.ndarray, rec, offset, digest) -> bool:
 
 
 def verify(arrays: dict, records: dict, digest) -> str | None:
-    """Check the restored ``arrays`` (``{leaf: jax array}``) of one group against its ``records``;
-    the first leaf found bad, or None. Every process of the job must call it for the same group."""
+    """Check the restored ``arrays`` of one group against its ``records``; the first leaf found bad,
+    or None. ``arrays``: ``{leaf: host array}`` (one process read whole leaves: every record is
+    checked on them) or ``{leaf: jax array}`` (a sharded restore: every process of the job must
+    call this for the same group)."""
     import jax
 
+    if all(isinstance(x, np.ndarray) for x in arrays.values()):
+        for leaf, x in arrays.items():
+            if leaf not in records or not all(_check(x, rec, [0] * x.ndim, digest) for rec in records[leaf]):
+                return leaf
+        return None
     bad: str | None = None
     seen: dict[str, np.ndarray] = {}
     for leaf, x in arrays.items():
@@ -73,13 +82,16 @@ def verify(arrays: dict, records: dict, digest) -> str | None:
             return leaf
         done = np.zeros(len(recs), np.uint8)
         shards = [(_bounds(s, x.shape), s) for s in x.addressable_shards]
+        host: dict[int, np.ndarray] = {}                 # each shard copied to the host once
         for i, rec in enumerate(recs):
             start, size = rec[0], rec[1]
-            for (lo, hi), s in shards:
+            for j, ((lo, hi), s) in enumerate(shards):
                 if all(a <= r and r + n <= b for a, b, r, n in zip(lo, hi, start, size)):
                     done[i] = 1
-                    if bad is None and not _check(np.asarray(s.data), rec, lo, digest):
-                        bad = leaf
+                    if bad is None:
+                        block = host[j] if j in host else host.setdefault(j, np.asarray(s.data))
+                        if not _check(block, rec, lo, digest):
+                            bad = leaf
                     break
         seen[leaf] = done
     flags = np.concatenate([np.array([bad is not None], np.uint8)] + list(seen.values()))

@@ -22,8 +22,10 @@ sources are on this machine, the sources match too; otherwise the load rebuilds 
 
 Restoring builds the abstract model first and targets each leaf's ``NamedSharding`` on the
 requested mesh (never the layout it was saved with), so a cache written on one mesh restores on
-another: Orbax reads each group straight onto its shardings, each process only the chunks of its
-own devices' shards, and the digests are checked on the host copies of those shards. Caches are
+another. One process (one host holds all its chips) reads a group to host memory, checks its
+digests and places each leaf; several processes have Orbax read each group straight onto its
+shardings, each process only the chunks of its own devices' shards, and check the digests on host
+copies of those shards. Caches are
 also found (read-only) under the search roots, by default every dataset folder in ``/kaggle/input``
 (``ZOO_CACHE_SEARCH`` = colon-separated roots overrides it).
 """
@@ -396,19 +398,25 @@ def _check_files(entry: Path, group: str, files: dict[str, int]) -> None:
 
 
 def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtypeStruct],
-                files: dict[str, int]) -> dict[str, jax.Array]:
-    """One parameter group's leaves on their target shardings (each process reads the chunks of its
-    own devices' shards), checked against the target's shapes and dtypes."""
+                files: dict[str, int]) -> dict[str, Any]:
+    """One parameter group's leaves, checked against the target's shapes and dtypes: with one process
+    as whole host arrays (checked, then placed, by the caller: no device-to-host copy); with several,
+    on their target shardings (each process reads the chunks of its own devices' shards only)."""
     import orbax.checkpoint as ocp
 
     state_dir = (entry / "state" / group).absolute()
     if not state_dir.is_dir():
         raise CacheError(f"{entry}: missing state for parameter group {group!r}")
     _check_files(entry, group, files)
-    args = ocp.args.PyTreeRestore(
-        item=dict(target),
-        restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
-                      for k, t in target.items()})
+    if jax.process_count() == 1:
+        args = ocp.args.PyTreeRestore(
+            item={k: np.empty(0, t.dtype) for k, t in target.items()},
+            restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype) for k, t in target.items()})
+    else:
+        args = ocp.args.PyTreeRestore(
+            item=dict(target),
+            restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
+                          for k, t in target.items()})
     try:
         host = ckptr.restore(state_dir, args=args)
     except Exception as e:      # orbax/tensorstore raise many kinds on truncated or missing files
@@ -461,7 +469,9 @@ def restore(entry: Path, mesh=None, dtype=None):
         if bad is not None:
             raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
                              f"at leaf {bad} (corrupted cache)")
-        restored[group] = arrays
+        restored[group] = {k: jax.device_put(a, target[k].sharding) if isinstance(a, np.ndarray) else a
+                           for k, a in arrays.items()}
+        del arrays
     for path, rec in manifest["params"].items():
         leaves = [restored[rec["group"]][str(rec["first"] + i)] for i in range(len(rec["leaves"]))]
         variables[path].set_value(jax.tree.unflatten(jax.tree.structure(rec["_abstract"]), leaves))
