@@ -55,6 +55,9 @@ def add_commands(sub) -> None:
     s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
     s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
     s.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
+    s.add_argument("--cache", default=None, metavar="DIR",
+                   help="repacked-weight cache directory: a matching entry there (or under /kaggle/input, "
+                        "$ZOO_CACHE_SEARCH) is restored; otherwise the model loads from its sources and is saved there")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
@@ -176,7 +179,8 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
         engine = engine or _engine_args(args)
         key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
         t0 = time.perf_counter()
-        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp)
+        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp,
+                         cache=args.cache)
         name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
         app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], max_batch=engine["max_batch"],
                          prefill_chunk=engine["prefill_chunk"], max_queue=args.max_queue,
@@ -189,7 +193,8 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
         if on_ready is not None:
             on_ready(app)
         base = f"http://{_host(args)}:{sock.getsockname()[1]}"
-        print(f"[zoo] loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        where = model.load_info.get("cache_path") if model.load_info.get("source") == "cache" else "its sources"
+        print(f"[zoo] loaded {args.model} from {where} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         print(f"zoo serve: {name}\n  OpenAI base URL:    {base}/v1\n  Anthropic base URL: {base}\n  API key: {key}",
               flush=True)
         try:                             # until SIGTERM / SIGINT, after the drain (see zoo.serving.transport)
@@ -260,7 +265,8 @@ def _follow(args) -> int:
                              f"give every process the same command but --process-id")
         print(f"zoo serve: process {me} of {count} ({jax.local_device_count()} of {jax.device_count()} devices); "
               f"replaying process 0's engine, no HTTP here", file=sys.stderr, flush=True)
-        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp)
+        model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp,
+                         cache=args.cache)
         follower = Follower(Generator(model, **config["engine"]), Channel(client))
         steps = follower.run()
     except Exception as e:

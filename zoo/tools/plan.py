@@ -161,8 +161,11 @@ def _shares(tensors: list, targets: list[str], device_bytes: dict[str, int]) -> 
     return out
 
 
-def plan_config(cfg, recipe: str | Recipe, devices: int = 8, model: str | None = None, layout: str = "tp") -> Plan:
+def plan_config(cfg, recipe: str | Recipe | None, devices: int = 8, model: str | None = None,
+                layout: str = "tp") -> Plan:
     """The plan of ``cfg`` (a config object with ``arch``) under ``recipe`` on ``devices`` chips."""
+    if recipe is None:                       # the source as stored, loaded in bfloat16 (zoo.load's default)
+        recipe = "bf16"
     recipe = get_recipe(recipe, cfg.arch) if isinstance(recipe, str) else recipe
     if recipe.plan is None:
         raise ValueError(f"recipe {recipe.name!r} of {cfg.arch} is a whole GGUF whose per-tensor types are the "
@@ -206,6 +209,6 @@ def plan_gguf(path, devices: int = 8, quant: str | None = None, layout: str = "t
     return Plan(name, "as stored", devices, tuple(tensors), layout)
 
 
-def plan(name: str, *, quant: str, devices: int = 8, layout: str = "tp") -> Plan:
+def plan(name: str, *, quant: str | None, devices: int = 8, layout: str = "tp") -> Plan:
     """``zoo.plan``: the plan of a registry model's config preset (``configs/``) under a recipe."""
     return plan_config(registry.preset_config(registry.get_spec(name)), quant, devices, name, layout)
