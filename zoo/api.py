@@ -16,7 +16,6 @@ dtype="bfloat16", mtp=None)``; ``Model.logits(input_ids, attention_mask=None) ->
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import time
@@ -27,70 +26,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zoo import registry
 from zoo.loader.abstract import abstract_load
 from zoo.loader.fill import fill_from_source
-from zoo.loader.gguf_model import gguf_architecture, open_gguf
+from zoo.loader.open import DTYPES, check_recipe, dtype_of, open_checkpoint, resolve
 from zoo.loader.overlay import apply_overlay, read_overlay
-from zoo.loader.recipes import recipe_of, sources_for, store_for, whole_gguf
-from zoo.models.architectures import BY_MODEL_NAME, architecture
-from zoo.models.config import load_config
+from zoo.models.architectures import architecture
 from zoo.serving.generator import Generator
 from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import host_value, on_mesh, resolve_mesh
-from zoo.sources.fp8 import Fp8Dequantized
-from zoo.sources.gguf import GGUFSource
-from zoo.sources.names import NameMap
-from zoo.sources.safetensors import SafetensorsSource
-from zoo.text.tokenizer import Tokenizer
 from zoo.weight_cache import store as weight_cache
-
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-
-
-def _dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
-    return jnp.dtype(dtype)
-
-
-def resolve(name_or_path: str | Path) -> Path:
-    """A local checkpoint directory (or ``.gguf`` file) for a registry name or a path."""
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if path.is_file() and path.suffix == ".gguf":
-            return path                     # a GGUF file, or the first of a split set
-        if not path.is_dir():
-            raise ValueError(f"{path}: expected a checkpoint directory (config.json + *.safetensors)")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: no config.json in this checkpoint directory")
-        return path
-    return registry.resolve_checkpoint(registry.get_spec(str(name_or_path)))
-
-
-def _has_mtp_tensors(source, name_map: NameMap) -> bool:
-    """Some source tensor maps to an MTP parameter (``mtp.*``)."""
-    return any((hit := name_map.resolve(k)) is not None and hit.path.startswith("mtp.") for k in source.keys())
-
-
-def _request_fingerprint(name_or_path, quant, dtype: str) -> dict:
-    """The cache fingerprint of a load request; source identities where the sources are local."""
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        return weight_cache.fingerprint(f"path:{path.resolve().name}", quant, dtype,
-                                      [weight_cache.file_identity(f) for f in weight_cache.source_files(path)])
-    spec = registry.get_spec(str(name_or_path))
-    local = registry.local_checkpoint(spec)
-    sources = None if local is None else [weight_cache.file_identity(f) for f in weight_cache.source_files(local)]
-    return weight_cache.fingerprint(spec.name, quant, dtype, sources)
 
 
 def _load_cached(name_or_path, quant, mesh, cache, dtype: str) -> "Model | None":
     """Restore from a matching cache entry under ``cache`` or the search roots (None if none)."""
     t0 = time.perf_counter()
-    fp = _request_fingerprint(name_or_path, quant, dtype)
+    fp = weight_cache.request_fingerprint(name_or_path, quant, dtype)
     entry, reasons = weight_cache.find(fp, weight_cache.search_roots(cache))
     for why in reasons:
         print(f"[zoo] not using cache {why}; rebuilding", file=sys.stderr)
@@ -109,34 +59,10 @@ def _load_cached(name_or_path, quant, mesh, cache, dtype: str) -> "Model | None"
     return Model(module, cfg, tokenizer, info, mesh=mesh)
 
 
-def _open(ckpt: Path, quant: str | None, dtype: str):
-    """``(source, config, name map, tokenizer, storage function, format)`` for a resolved checkpoint
-    directory or GGUF file under the recipe ``quant`` names for its architecture."""
-    if ckpt.suffix == ".gguf":
-        gguf = GGUFSource(ckpt)
-        store = store_for(quant, gguf_architecture(gguf), dtype, gguf=True)   # the recipe checked first
-        source, cfg, name_map, tokenizer = open_gguf(gguf)   # config, names, vocab: from the file
-        return source, cfg, name_map, tokenizer, store, "gguf"
-    cfg = load_config(ckpt)
-    recipe = recipe_of(quant, cfg.arch)
-    tokenizer = Tokenizer.from_dir(ckpt)
-    gguf = whole_gguf(recipe, ckpt)
-    if gguf is not None:                                     # the recipe is a whole GGUF in the directory
-        source, cfg, name_map, gguf_tokenizer = open_gguf(gguf)
-        store = store_for(None, cfg.arch, dtype, gguf=True)        # every tensor as stored
-        return source, cfg, name_map, tokenizer or gguf_tokenizer, store, "gguf"
-    source = Fp8Dequantized(SafetensorsSource(ckpt))
-    arch = architecture(cfg.arch)
-    if not cfg.mtp_num_hidden_layers and _has_mtp_tensors(source, arch.hf_name_map(cfg)):
-        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)   # MTP weights present, config silent
-    source, name_map = sources_for(recipe, ckpt, cfg, source, arch.hf_name_map(cfg))   # recipes mixing in a GGUF
-    return source, cfg, name_map, tokenizer, store_for(quant, cfg.arch, dtype), "safetensors"
-
-
 def _load_abstract(name_or_path, quant: str | None, mesh, dtype: str) -> "Model":
     """``load(..., weights=False)``: the model with abstract parameters of their stored kinds, placed
     on ``mesh`` (``zoo.loader.abstract.abstract_load``)."""
-    module, cfg = abstract_load(name_or_path, quant, _dtype(dtype), mesh)
+    module, cfg = abstract_load(name_or_path, quant, dtype_of(dtype), mesh)
     info = {"source": "abstract", "dtype": dtype, "quant": quant, "mesh": None if mesh is None else dict(mesh.shape),
             "unused_tensors": []}
     return Model(module, cfg, None, info, mesh=mesh)
@@ -156,7 +82,7 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
     model loads, applied after (its MTP parameters replace the checkpoint's, or add an MTP layer);
     ``load_info["mtp_overlay"]`` describes it. The cache, if any, holds the model without it.
     """
-    dtype_name = jnp.dtype(_dtype(dtype)).name
+    dtype_name = jnp.dtype(dtype_of(dtype)).name
     mesh = resolve_mesh(mesh)
     if not weights:
         if mtp is not None:
@@ -172,16 +98,14 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
 
 def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str) -> "Model":
     """``load`` with weights: from a cache entry, else from the sources (saved to ``cache`` if given)."""
-    known = BY_MODEL_NAME.get(str(name_or_path))
-    if known is not None and not Path(name_or_path).expanduser().exists():
-        recipe_of(quant, known.id)                           # an unknown recipe fails before any download
+    check_recipe(name_or_path, quant)
     cached = _load_cached(name_or_path, quant, mesh, cache, dtype_name)
     if cached is not None:
         return cached
     t0 = time.perf_counter()
     ckpt = resolve(name_or_path)
     t_resolve = time.perf_counter()
-    source, cfg, name_map, tokenizer, store, fmt = _open(ckpt, quant, dtype_name)
+    source, cfg, name_map, tokenizer, store, fmt = open_checkpoint(ckpt, quant, dtype_name)
     model_class = architecture(cfg.arch).model_class()
     abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES.get(dtype_name) or jnp.dtype(dtype_name)))
     module, unused = fill_from_source(abstract, source, name_map, store, mesh=mesh)
@@ -191,9 +115,8 @@ def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str)
             "seconds": {"resolve": t_resolve - t0, "fill": t_fill - t_resolve}}
     model = Model(module, cfg, tokenizer, info, mesh=mesh)
     if cache is not None:
-        fp = _request_fingerprint(name_or_path, quant, dtype_name)
-        name = registry.REGISTRY[name_or_path].name if name_or_path in registry.REGISTRY else Path(ckpt).stem
-        info["cache_path"] = str(weight_cache.save(model, cache, fp, name))
+        fp = weight_cache.request_fingerprint(name_or_path, quant, dtype_name)
+        info["cache_path"] = str(weight_cache.save(model, cache, fp, weight_cache.entry_name(name_or_path, ckpt)))
         info["seconds"]["save"] = time.perf_counter() - t_fill
     info["seconds"]["total"] = time.perf_counter() - t0
     return model

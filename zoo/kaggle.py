@@ -75,10 +75,9 @@ def find_cache(model: str, quant: str | None = None, dtype: str = "bfloat16", ca
     """The cache entry a load of ``model`` would restore from ``cache`` or the search roots
     (``SEARCH_HELP``), matched by fingerprint (``zoo.weight_cache.store``: the request, and the
     source files' identities where the sources are on this machine)."""
-    from zoo.api import _request_fingerprint
     from zoo.weight_cache import store as weight_cache
 
-    fp = _request_fingerprint(model, quant, dtype)
+    fp = weight_cache.request_fingerprint(model, quant, dtype)
     roots = weight_cache.search_roots(cache)
     entry, rejected = weight_cache.find(fp, roots)
     return CacheLookup(entry, 0 if entry is None else entry_bytes(entry), [r for r in roots if r.is_dir()], rejected)

@@ -3,14 +3,27 @@
     zoo.load(name, quant=..., cache=DIR)    first time: load from the sources, then save to
                                             DIR/<model>-<fingerprint hash>/; afterwards: restore
                                             from there (no parsing, re-quantizing or re-packing)
+    zoo.weight_cache.build(name, ..., root=DIR)   the same entry, written one parameter group in
+                                            memory at a time (``zoo.weight_cache.build``; ``zoo cache build``)
+
+Writing: ``write_entry(groups, root, fp, name, config, tokenizer)`` consumes an iterator of
+``(group, {leaf index: array}, {param path: manifest entry})`` (``pack_group``), saving and digesting
+each group before asking for the next and keeping nothing of it but its manifest entries and
+digests; ``save(model, ...)`` hands it the groups of a loaded model (on one device or sharded over a
+multi-process job), ``build`` groups it fills from the sources one by one.
 
 Layout of one cache entry (written to ``DIR/.partial-*`` and renamed when complete, so a save
-killed half-way leaves nothing a later load accepts)::
+killed or failing half-way leaves nothing a later load accepts)::
 
-    manifest.json   fingerprint, config, and for every parameter its stored kind (dense array, or
-                    a known stored-weight type with its static metadata) and leaves
-    state/<group>/  one Orbax checkpoint per parameter group (embedding, each layer, head, MTP):
-                    host memory during a restore is bounded by a group, and progress is shown
+    manifest.json   fingerprint, config, and for every parameter (``params``: path -> entry) its
+                    stored kind (dense array, or a known stored-weight type with its static
+                    metadata), its leaves' shapes and dtypes, its group and the index of its first
+                    leaf in the group; ``digests`` (group -> leaf index -> shard records) and
+                    ``files`` (every state file's size)
+    state/<group>/  one Orbax checkpoint per parameter group (embedding, each layer, head, MTP,
+                    final norm: ``_group``), a dict leaf index ("0", "1", ...) -> array, the
+                    leaves of the group's parameters in flat-state order: a streamed build and
+                    each read of a restore hold one group in host memory, and progress is shown
                     (the manifest also holds a CRC-32 digest of every saved shard of every leaf,
                     checked on restore: ``zoo.weight_cache.digests``)
     tokenizer.json, tokenizer_config.json   when the model has a tokenizer
@@ -25,7 +38,8 @@ requested mesh (never the layout it was saved with), so a cache written on one m
 another. One process (one host holds all its chips) reads a group to host memory, checks its
 digests and places each leaf; several processes have Orbax read each group straight onto its
 shardings, each process only the chunks of its own devices' shards, and check the digests on host
-copies of those shards. Caches are
+copies of those shards. ``verify(entry)`` checks an entry the same way without building the model,
+one group in host memory at a time (``zoo cache build`` on an existing entry). Caches are
 also found (read-only) under the search roots, by default every dataset folder in ``/kaggle/input``
 (``ZOO_CACHE_SEARCH`` = colon-separated roots overrides it).
 """
@@ -46,11 +60,12 @@ import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import numpy as np
 
+from zoo import registry
 from zoo.formats import planes
 from zoo.models.architectures import ARCHITECTURES
 from zoo.sharding.mesh import value_specs
@@ -78,9 +93,10 @@ def _import(ref: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def _progress(iterable, desc: str, total: int | None = None):
+def _progress(iterable, desc: str, total: int | None = None, disable: bool | None = None):
+    """A tqdm bar over parameter groups on stderr (``disable`` None: shown on a terminal only)."""
     from tqdm.auto import tqdm
-    return tqdm(iterable, desc=desc, total=total, unit="group", disable=None, file=sys.stderr)
+    return tqdm(iterable, desc=desc, total=total, unit="group", disable=disable, file=sys.stderr)
 
 
 # -- fingerprints ----------------------------------------------------------------------------------
@@ -113,6 +129,23 @@ def fingerprint(model: str, quant: str | None, dtype: str, sources: list[dict] |
     """``sources`` None: the sources are not on this machine (match on the request alone)."""
     return {"request": {"model": model, "quant": quant, "dtype": dtype, **layout_versions()},
             "sources": sources}
+
+
+def request_fingerprint(name_or_path, quant, dtype: str) -> dict:
+    """The cache fingerprint of a load request; source identities where the sources are local."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return fingerprint(f"path:{path.resolve().name}", quant, dtype,
+                                      [file_identity(f) for f in source_files(path)])
+    spec = registry.get_spec(str(name_or_path))
+    local = registry.local_checkpoint(spec)
+    sources = None if local is None else [file_identity(f) for f in source_files(local)]
+    return fingerprint(spec.name, quant, dtype, sources)
+
+
+def entry_name(name_or_path, ckpt: Path) -> str:
+    """The name part of a cache entry's directory: the registry name, else the checkpoint's stem."""
+    return registry.REGISTRY[name_or_path].name if name_or_path in registry.REGISTRY else Path(ckpt).stem
 
 
 def fingerprint_hash(fp: dict) -> str:
@@ -261,48 +294,78 @@ def _config_from_record(rec: dict):
     return cls(**{k: _decode_meta(v) for k, v in rec["fields"].items()})
 
 
-def save(model, root: str | Path, fp: dict, name: str) -> Path:
-    """Write ``model`` (a ``zoo.Model``) as a cache entry under ``root``; returns its directory.
+def pack_group(group: str, values: list[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, dict]]:
+    """One parameter group as the writer takes it: ``(arrays, entries)`` from its ``(path, value)``
+    pairs in flat-state order. ``arrays``: ``{leaf index: array}`` (the leaves of every value, in
+    order, numbered from 0); ``entries``: ``{path: manifest entry}`` (``describe`` plus the group and
+    the index of the value's first leaf)."""
+    arrays: dict[str, Any] = {}
+    entries: dict[str, dict] = {}
+    for path, value in values:
+        first = len(arrays)
+        arrays.update({str(first + i): leaf for i, leaf in enumerate(jax.tree.leaves(value))})
+        entries[path] = {**describe(value), "group": group, "first": first}
+    return arrays, entries
 
-    Written to a temporary directory and renamed when complete; an existing complete entry with
-    the same fingerprint is replaced."""
+
+def save(model, root: str | Path, fp: dict, name: str) -> Path:
+    """Write ``model`` (a ``zoo.Model``, loaded: on one device, or on a mesh over one or several
+    processes) as a cache entry under ``root``; returns its directory (``write_entry``)."""
+    by_group: dict[str, list] = {}
+    for path, var in _flat_params(model.module):
+        by_group.setdefault(_group(path), []).append((path, var.get_value()))
+    groups = ((group, *pack_group(group, values)) for group, values in by_group.items())
+    return write_entry(groups, root, fp, name, model.config, model.tokenizer, total=len(by_group))
+
+
+def write_entry(groups: Iterable[tuple[str, dict[str, Any], dict[str, dict]]], root: str | Path, fp: dict,
+                name: str, config, tokenizer, *, total: int | None = None, desc: str = "zoo cache save",
+                progress: bool = True) -> Path:
+    """Write a cache entry under ``root`` from ``groups``, an iterator of ``(group name, {leaf index:
+    array}, {param path: manifest entry})`` (``pack_group``), consumed one group at a time: each is
+    saved (Orbax) and digested, then let go before the next is asked for, so a caller that produces
+    groups lazily (``zoo.weight_cache.build``) holds one at a time. Returns the entry's directory.
+
+    Written to ``root/.partial-*`` and renamed when complete (removed if anything fails); an
+    existing complete entry with the same fingerprint is replaced. With several processes, every
+    process calls this with its own shards of the same groups, in the same order."""
     root = Path(root)
     leader = jax.process_index() == 0
     if leader:
         root.mkdir(parents=True, exist_ok=True)
     final = root / f"{name}-{fingerprint_hash(fp)}"
     tmp = root / f".partial-{final.name}-{_shared_token()}"
-    params = _flat_params(model.module)
-    groups: dict[str, dict[str, Any]] = {}
-    entries = {}
-    for path, var in params:
-        value = var.get_value()
-        group = groups.setdefault(_group(path), {})
-        first = len(group)
-        leaves = jax.tree.leaves(value)
-        group.update({str(first + i): leaf for i, leaf in enumerate(leaves)})
-        entries[path] = {**describe(value), "group": _group(path), "first": first}
+    entries: dict[str, dict] = {}
     records = {}
+    bar = _progress(None, desc, total, disable=None if progress else True)
     try:
         ckptr = _checkpointer()
-        for group, arrays in _progress(groups.items(), "zoo cache save", len(groups)):
+        for group, arrays, group_entries in groups:
+            if group in records:
+                raise ValueError(f"parameter group {group!r} written twice")
+            bar.set_postfix_str(group, refresh=False)
             ckptr.save((tmp / "state" / group).absolute(), arrays)      # every process writes its shards
             records[group] = group_records(arrays)                      # and digests them
+            entries.update(group_entries)
+            del arrays, group_entries               # nothing of this group outlives its write
+            bar.update(1)
+        bar.close()
         parts = _gather(f"zoo/cache/{tmp.name}", records)
         _barrier(f"zoo-cache-saved-{tmp.name}")
         if leader:                                  # one process writes the manifest and renames
             digests = shard_digests.merge(parts)
-            if model.tokenizer is not None:
-                model.tokenizer.save(tmp)
+            if tokenizer is not None:
+                tokenizer.save(tmp)
             files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted((tmp / "state").rglob("*"))
                      if f.is_file()}
-            manifest = {"format": CACHE_FORMAT, "fingerprint": fp, "config": _config_record(model.config),
+            manifest = {"format": CACHE_FORMAT, "fingerprint": fp, "config": _config_record(config),
                         "params": entries, "digests": digests, "files": files, "created": time.time()}
             (tmp / MANIFEST).write_text(json.dumps(manifest))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
     finally:
+        bar.close()
         if leader and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     _barrier(f"zoo-cache-done-{tmp.name}")          # nobody reads the entry before it is complete
@@ -430,6 +493,30 @@ def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtype
             raise CacheError(f"{entry}: leaf {k} of group {group!r} is {host[k].dtype}{list(host[k].shape)}, "
                              f"the manifest says {t.dtype}{list(t.shape)}")
     return host
+
+
+def verify(entry: Path, progress: bool = True) -> dict:
+    """Check a complete entry without building the model, one group in host memory at a time: its
+    config names a known architecture, and every group's files, leaf shapes and dtypes and digests
+    are what the save recorded (what a restore checks). Returns the manifest; raises ``CacheError``.
+    One process only (it reads whole leaves to the host)."""
+    manifest = read_manifest(entry)
+    _config_from_record(manifest["config"])
+    targets: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
+    for rec in manifest["params"].values():
+        group = targets.setdefault(rec["group"], {})
+        for i, leaf in enumerate(jax.tree.leaves(abstract_value(rec))):
+            group[str(rec["first"] + i)] = leaf
+    ckptr = _checkpointer()
+    for group, target in _progress(targets.items(), "zoo cache verify", len(targets),
+                                   disable=None if progress else True):
+        arrays = _read_group(ckptr, entry, group, target, manifest["files"])
+        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), host_digest)
+        del arrays
+        if bad is not None:
+            raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
+                             f"at leaf {bad} (corrupted cache)")
+    return manifest
 
 
 def restore(entry: Path, mesh=None, dtype=None):

@@ -1,0 +1,89 @@
+"""Opening a checkpoint the way ``zoo.load`` does: resolve a name or path, then its weight source,
+config, name map, tokenizer and storage function under a recipe.
+
+    resolve(name_or_path) -> Path                    a local checkpoint directory or .gguf file
+    open_checkpoint(ckpt, quant, dtype) -> (source, config, name map, tokenizer, storage function,
+                                            "gguf" | "safetensors")
+    check_recipe(name_or_path, quant)                an unknown recipe of a registry model fails
+                                                     before any download
+
+Shared by ``zoo.load`` (``zoo.api``) and the streamed cache build (``zoo.weight_cache.build``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from zoo import registry
+from zoo.loader.gguf_model import gguf_architecture, open_gguf
+from zoo.loader.recipes import recipe_of, sources_for, store_for, whole_gguf
+from zoo.models.architectures import BY_MODEL_NAME, architecture
+from zoo.models.config import load_config
+from zoo.sources.fp8 import Fp8Dequantized
+from zoo.sources.gguf import GGUFSource
+from zoo.sources.names import NameMap
+from zoo.sources.safetensors import SafetensorsSource
+from zoo.text.tokenizer import Tokenizer
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+def dtype_of(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A local checkpoint directory (or ``.gguf`` file) for a registry name or a path."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix == ".gguf":
+            return path                     # a GGUF file, or the first of a split set
+        if not path.is_dir():
+            raise ValueError(f"{path}: expected a checkpoint directory (config.json + *.safetensors)")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: no config.json in this checkpoint directory")
+        return path
+    return registry.resolve_checkpoint(registry.get_spec(str(name_or_path)))
+
+
+def has_mtp_tensors(source, name_map: NameMap) -> bool:
+    """Some source tensor maps to an MTP parameter (``mtp.*``)."""
+    return any((hit := name_map.resolve(k)) is not None and hit.path.startswith("mtp.") for k in source.keys())
+
+
+def open_checkpoint(ckpt: Path, quant: str | None, dtype: str):
+    """``(source, config, name map, tokenizer, storage function, format)`` for a resolved checkpoint
+    directory or GGUF file under the recipe ``quant`` names for its architecture."""
+    if ckpt.suffix == ".gguf":
+        gguf = GGUFSource(ckpt)
+        store = store_for(quant, gguf_architecture(gguf), dtype, gguf=True)   # the recipe checked first
+        source, cfg, name_map, tokenizer = open_gguf(gguf)   # config, names, vocab: from the file
+        return source, cfg, name_map, tokenizer, store, "gguf"
+    cfg = load_config(ckpt)
+    recipe = recipe_of(quant, cfg.arch)
+    tokenizer = Tokenizer.from_dir(ckpt)
+    gguf = whole_gguf(recipe, ckpt)
+    if gguf is not None:                                     # the recipe is a whole GGUF in the directory
+        source, cfg, name_map, gguf_tokenizer = open_gguf(gguf)
+        store = store_for(None, cfg.arch, dtype, gguf=True)        # every tensor as stored
+        return source, cfg, name_map, tokenizer or gguf_tokenizer, store, "gguf"
+    source = Fp8Dequantized(SafetensorsSource(ckpt))
+    arch = architecture(cfg.arch)
+    if not cfg.mtp_num_hidden_layers and has_mtp_tensors(source, arch.hf_name_map(cfg)):
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)   # MTP weights present, config silent
+    source, name_map = sources_for(recipe, ckpt, cfg, source, arch.hf_name_map(cfg))   # recipes mixing in a GGUF
+    return source, cfg, name_map, tokenizer, store_for(quant, cfg.arch, dtype), "safetensors"
+
+
+def check_recipe(name_or_path, quant: str | None) -> None:
+    """An unknown recipe of a registry model fails here, before any download."""
+    known = BY_MODEL_NAME.get(str(name_or_path))
+    if known is not None and not Path(name_or_path).expanduser().exists():
+        recipe_of(quant, known.id)
