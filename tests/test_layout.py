@@ -15,7 +15,7 @@ from zoo.registry import REGISTRY
 
 PACKAGE = Path(zoo.__file__).parent
 # Lowest first: a package may import only packages before it in this list (and itself).
-ORDER = ["distributed", "text", "formats", "sources", "sharding", "ops", "kernels", "quant", "models",
+ORDER = ["distributed", "text", "images", "formats", "sources", "sharding", "ops", "kernels", "quant", "models",
          "registry", "loader", "weight_cache", "tools", "serving", "api", "train", "kaggle", "cli"]
 TOP = {"__init__", "__main__"}             # the public entry points import lazily from anywhere
 

@@ -37,10 +37,10 @@ from zoo.sharding.mesh import host_value, on_mesh, resolve_mesh
 from zoo.weight_cache import store as weight_cache
 
 
-def _load_cached(name_or_path, quant, mesh, cache, dtype: str) -> "Model | None":
+def _load_cached(name_or_path, quant, mesh, cache, dtype: str, vision: bool = True) -> "Model | None":
     """Restore from a matching cache entry under ``cache`` or the search roots (None if none)."""
     t0 = time.perf_counter()
-    fp = weight_cache.request_fingerprint(name_or_path, quant, dtype)
+    fp = weight_cache.request_fingerprint(name_or_path, quant, dtype, vision)
     entry, reasons = weight_cache.find(fp, weight_cache.search_roots(cache))
     for why in reasons:
         print(f"[zoo] not using cache {why}; rebuilding", file=sys.stderr)
@@ -59,17 +59,17 @@ def _load_cached(name_or_path, quant, mesh, cache, dtype: str) -> "Model | None"
     return Model(module, cfg, tokenizer, info, mesh=mesh)
 
 
-def _load_abstract(name_or_path, quant: str | None, mesh, dtype: str) -> "Model":
+def _load_abstract(name_or_path, quant: str | None, mesh, dtype: str, vision: bool = True) -> "Model":
     """``load(..., weights=False)``: the model with abstract parameters of their stored kinds, placed
     on ``mesh`` (``zoo.loader.abstract.abstract_load``)."""
-    module, cfg = abstract_load(name_or_path, quant, dtype_of(dtype), mesh)
+    module, cfg = abstract_load(name_or_path, quant, dtype_of(dtype), mesh, vision)
     info = {"source": "abstract", "dtype": dtype, "quant": quant, "mesh": None if mesh is None else dict(mesh.shape),
             "unused_tensors": []}
     return Model(module, cfg, None, info, mesh=mesh)
 
 
 def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache=None,
-         dtype="bfloat16", weights: bool = True, mtp=None) -> "Model":
+         dtype="bfloat16", weights: bool = True, mtp=None, vision: bool = True) -> "Model":
     """Load a model by registry name, local HF checkpoint directory or GGUF file (see module doc).
 
     ``quant``: a recipe of the model's architecture (``zoo.models.recipes.recipes_for``), or None
@@ -81,31 +81,33 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
     ``mtp``: an MTP overlay directory (``zoo fit-mtp``; ``zoo.loader.overlay``): checked before the
     model loads, applied after (its MTP parameters replace the checkpoint's, or add an MTP layer);
     ``load_info["mtp_overlay"]`` describes it. The cache, if any, holds the model without it.
+    ``vision=False``: a multimodal checkpoint's vision tower is left out (not read, not placed; the
+    model takes text only); a cache entry records which (its fingerprint's ``vision``).
     """
     dtype_name = jnp.dtype(dtype_of(dtype)).name
     mesh = resolve_mesh(mesh)
     if not weights:
         if mtp is not None:
             raise ValueError("an MTP overlay (mtp=) applies to loaded weights, not to weights=False")
-        return _load_abstract(name_or_path, quant, mesh, dtype_name)
+        return _load_abstract(name_or_path, quant, mesh, dtype_name, vision)
     overlay = None if mtp is None else read_overlay(mtp)     # a missing or corrupt overlay fails first
-    model = _load_weights(name_or_path, quant, mesh, cache, dtype_name)
+    model = _load_weights(name_or_path, quant, mesh, cache, dtype_name, vision)
     if overlay is None:
         return model
     module, cfg, info = apply_overlay(model.module, model.config, overlay, mesh, model.load_info.get("path"))
     return Model(module, cfg, model.tokenizer, {**model.load_info, "mtp_overlay": info}, mesh=mesh)
 
 
-def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str) -> "Model":
+def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str, vision: bool = True) -> "Model":
     """``load`` with weights: from a cache entry, else from the sources (saved to ``cache`` if given)."""
     check_recipe(name_or_path, quant)
-    cached = _load_cached(name_or_path, quant, mesh, cache, dtype_name)
+    cached = _load_cached(name_or_path, quant, mesh, cache, dtype_name, vision)
     if cached is not None:
         return cached
     t0 = time.perf_counter()
     ckpt = resolve(name_or_path)
     t_resolve = time.perf_counter()
-    source, cfg, name_map, tokenizer, store, fmt = open_checkpoint(ckpt, quant, dtype_name)
+    source, cfg, name_map, tokenizer, store, fmt = open_checkpoint(ckpt, quant, dtype_name, vision)
     model_class = architecture(cfg.arch).model_class()
     abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES.get(dtype_name) or jnp.dtype(dtype_name)))
     module, unused = fill_from_source(abstract, source, name_map, store, mesh=mesh)
@@ -115,7 +117,7 @@ def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str)
             "seconds": {"resolve": t_resolve - t0, "fill": t_fill - t_resolve}}
     model = Model(module, cfg, tokenizer, info, mesh=mesh)
     if cache is not None:
-        fp = weight_cache.request_fingerprint(name_or_path, quant, dtype_name)
+        fp = weight_cache.request_fingerprint(name_or_path, quant, dtype_name, vision)
         info["cache_path"] = str(weight_cache.save(model, cache, fp, weight_cache.entry_name(name_or_path, ckpt)))
         info["seconds"]["save"] = time.perf_counter() - t_fill
     info["seconds"]["total"] = time.perf_counter() - t0

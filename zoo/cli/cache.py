@@ -31,7 +31,8 @@ from pathlib import Path
 def _build(args) -> int:
     import zoo
     if args.mesh is not None:                  # the whole model, loaded (and saved) on the mesh
-        model = zoo.load(args.model, quant=args.quant, dtype=args.dtype, mesh=args.mesh, cache=args.dir)
+        model = zoo.load(args.model, quant=args.quant, dtype=args.dtype, mesh=args.mesh, cache=args.dir,
+                         vision=args.vision)
         info = model.load_info
         print(json.dumps({"cache_path": info.get("cache_path"), "source": info["source"], "seconds": info["seconds"]}))
         return 0
@@ -42,7 +43,8 @@ def _build(args) -> int:
     t0 = time.perf_counter()
     dtype = jnp.dtype(dtype_of(args.dtype)).name
     check_recipe(args.model, args.quant)
-    entry, reasons = store.find(store.request_fingerprint(args.model, args.quant, dtype), store.search_roots(args.dir))
+    fp = store.request_fingerprint(args.model, args.quant, dtype, args.vision)
+    entry, reasons = store.find(fp, store.search_roots(args.dir))
     for why in reasons:
         print(f"[zoo] not using cache {why}; rebuilding", file=sys.stderr)
     t_find = time.perf_counter()
@@ -56,7 +58,7 @@ def _build(args) -> int:
         except store.CacheError as e:
             print(f"[zoo] not using cache: {e}; rebuilding", file=sys.stderr)
     t_build = time.perf_counter()
-    path = build(args.model, quant=args.quant, dtype=args.dtype, root=args.dir)
+    path = build(args.model, quant=args.quant, dtype=args.dtype, root=args.dir, vision=args.vision)
     done = time.perf_counter()
     print(json.dumps({"cache_path": str(path), "source": "source",
                       "seconds": {"find": t_build - t0, "build": done - t_build, "total": done - t0}}))
@@ -99,6 +101,8 @@ def add_commands(sub) -> None:
     b.add_argument("--dir", required=True)
     b.add_argument("--quant")
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    b.add_argument("--no-vision", dest="vision", action="store_false",
+                   help="leave a multimodal checkpoint's vision tower out")
     b.add_argument("--mesh", help="mesh layout name (tp, ep): load the whole model on that mesh and save it "
                                   "(the multi-host way) instead of the streamed one-process build")
     b.set_defaults(fn=_build)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 CONFIG_KEY = "zoo/serve/config"
-LOAD_ARGS = ("model", "quant", "dtype", "mesh", "mtp")
+LOAD_ARGS = ("model", "quant", "dtype", "mesh", "mtp", "vision")
 FAIL_GRACE_S = 2.0        # after a follower failed: time for the error to reach the clients before exiting
 EXIT_FOLLOWER_LOST = 3
 
@@ -55,6 +55,8 @@ def add_commands(sub) -> None:
     s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
     s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
     s.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
+    s.add_argument("--no-vision", dest="vision", action="store_false",
+                   help="leave a multimodal checkpoint's vision tower out (text only; saves its memory)")
     s.add_argument("--cache", default=None, metavar="DIR",
                    help="repacked-weight cache directory: a matching entry there (or under /kaggle/input, "
                         "$ZOO_CACHE_SEARCH) is restored; otherwise the model loads from its sources and is saved there")
@@ -180,7 +182,7 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
         key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
         t0 = time.perf_counter()
         model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp,
-                         cache=args.cache)
+                         cache=args.cache, vision=args.vision)
         name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
         app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], max_batch=engine["max_batch"],
                          prefill_chunk=engine["prefill_chunk"], max_queue=args.max_queue,
@@ -266,7 +268,7 @@ def _follow(args) -> int:
         print(f"zoo serve: process {me} of {count} ({jax.local_device_count()} of {jax.device_count()} devices); "
               f"replaying process 0's engine, no HTTP here", file=sys.stderr, flush=True)
         model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp,
-                         cache=args.cache)
+                         cache=args.cache, vision=args.vision)
         follower = Follower(Generator(model, **config["engine"]), Channel(client))
         steps = follower.run()
     except Exception as e:

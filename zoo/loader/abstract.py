@@ -39,6 +39,7 @@ from zoo import registry
 from zoo.formats import planes as P
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 from zoo.loader.gguf_model import config_from_gguf
+from zoo.loader.open import without_vision
 from zoo.loader.recipes import recipe_of, whole_gguf
 from zoo.models.architectures import architecture
 from zoo.models.config import load_config
@@ -171,7 +172,7 @@ def abstract_module(cfg, kinds: dict[str, tuple[str, Target]], dtype, mesh=None)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def abstract_load(name_or_path, quant: str | None, dtype, mesh=None) -> tuple[nnx.Module, object]:
+def abstract_load(name_or_path, quant: str | None, dtype, mesh=None, vision: bool = True) -> tuple[nnx.Module, object]:
     """``(abstract module, config)`` from a config alone: a registry name's preset (no download), a
     checkpoint directory's config.json under the recipe ``quant``, or a GGUF's header (its tensors'
     own types; also the GGUF a whole-GGUF recipe names in a checkpoint directory)."""
@@ -189,6 +190,8 @@ def abstract_load(name_or_path, quant: str | None, dtype, mesh=None) -> tuple[nn
         cfg = config_from_gguf(source)
         kinds = gguf_param_kinds(source, architecture(cfg.arch).gguf_name_map(cfg))
     else:
+        if not vision:
+            cfg = without_vision(cfg)
         kinds = param_kinds(cfg, recipe_of(quant, cfg.arch))
     return abstract_module(cfg, kinds, dtype, mesh), cfg
 

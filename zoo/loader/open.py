@@ -2,8 +2,10 @@
 config, name map, tokenizer and storage function under a recipe.
 
     resolve(name_or_path) -> Path                    a local checkpoint directory or .gguf file
-    open_checkpoint(ckpt, quant, dtype) -> (source, config, name map, tokenizer, storage function,
-                                            "gguf" | "safetensors")
+    open_checkpoint(ckpt, quant, dtype, vision=True) -> (source, config, name map, tokenizer,
+                                            storage function, "gguf" | "safetensors")
+    without_vision(config) -> config                 the text model only (``config.vision`` None: the
+                                                     tower's tensors are then ignored)
     check_recipe(name_or_path, quant)                an unknown recipe of a registry model fails
                                                      before any download
 
@@ -58,15 +60,23 @@ def has_mtp_tensors(source, name_map: NameMap) -> bool:
     return any((hit := name_map.resolve(k)) is not None and hit.path.startswith("mtp.") for k in source.keys())
 
 
-def open_checkpoint(ckpt: Path, quant: str | None, dtype: str):
+def without_vision(cfg):
+    """``cfg`` without its vision tower (``vision=None``), or ``cfg`` itself if it has none."""
+    return dataclasses.replace(cfg, vision=None) if getattr(cfg, "vision", None) is not None else cfg
+
+
+def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = True):
     """``(source, config, name map, tokenizer, storage function, format)`` for a resolved checkpoint
-    directory or GGUF file under the recipe ``quant`` names for its architecture."""
+    directory or GGUF file under the recipe ``quant`` names for its architecture; ``vision=False``
+    leaves a multimodal checkpoint's vision tower out (its tensors are ignored)."""
     if ckpt.suffix == ".gguf":
         gguf = GGUFSource(ckpt)
         store = store_for(quant, gguf_architecture(gguf), dtype, gguf=True)   # the recipe checked first
         source, cfg, name_map, tokenizer = open_gguf(gguf)   # config, names, vocab: from the file
         return source, cfg, name_map, tokenizer, store, "gguf"
     cfg = load_config(ckpt)
+    if not vision:
+        cfg = without_vision(cfg)
     recipe = recipe_of(quant, cfg.arch)
     tokenizer = Tokenizer.from_dir(ckpt)
     gguf = whole_gguf(recipe, ckpt)

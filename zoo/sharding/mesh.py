@@ -54,6 +54,10 @@ TP_RULES: dict[str, str | None] = {
     # so a split by heads cannot shard them; each chip holds 1/tp of the slots (attention and the
     # indexer scores then reduce across chips)
     "latent_len": "tp", "pools": "tp",
+    # the vision towers: heads and MLP widths split like the text model's, the tower's residual
+    # stream, patch / position tables and the merger's input replicated
+    "vision_heads": "tp", "vision_mlp": "tp", "vision_merger_mlp": "tp",
+    "vision_embed": None, "vision_patch": None, "vision_pos": None, "vision_merged": None, "vision_out": None,
 }
 EP_RULES: dict[str, str | None] = {**TP_RULES, "experts": "ep"}
 

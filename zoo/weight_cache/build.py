@@ -102,12 +102,13 @@ def filled_groups(abstract, members: dict[str, list[str]], source, name_map, sto
 
 
 def build(name_or_path: str | Path, *, quant: str | None = None, dtype="bfloat16", root: str | Path,
-          progress: bool = True) -> Path:
+          progress: bool = True, vision: bool = True) -> Path:
     """Write the cache entry of ``zoo.load(name_or_path, quant=quant, dtype=dtype)`` under ``root``,
     one parameter group in memory at a time (see the module doc); returns the entry's directory.
 
     An existing complete entry of the same request is replaced (looking one up first is the
-    caller's business: ``zoo cache build``). ``progress``: a tqdm bar on stderr naming the group
+    caller's business: ``zoo cache build``). ``vision=False``: without a multimodal checkpoint's
+    vision tower (as ``zoo.load(..., vision=False)``). ``progress``: a tqdm bar on stderr naming the group
     being written (on a terminal)."""
     if jax.process_count() > 1:
         raise RuntimeError(f"zoo.weight_cache.build runs in one process (this job has {jax.process_count()}); "
@@ -116,14 +117,14 @@ def build(name_or_path: str | Path, *, quant: str | None = None, dtype="bfloat16
     dtype_name = jnp.dtype(dtype_of(dtype)).name
     check_recipe(name_or_path, quant)
     ckpt = resolve(name_or_path)
-    source, cfg, name_map, tokenizer, storage, _ = open_checkpoint(ckpt, quant, dtype_name)
+    source, cfg, name_map, tokenizer, storage, _ = open_checkpoint(ckpt, quant, dtype_name, vision)
     model_class = architecture(cfg.arch).model_class()
     abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES.get(dtype_name) or jnp.dtype(dtype_name)))
     members: dict[str, list[str]] = {}
     for path, _ in nnx.to_flat_state(nnx.state(abstract)):
         dotted = ".".join(map(str, path))
         members.setdefault(store._group(dotted), []).append(dotted)
-    fp = store.request_fingerprint(name_or_path, quant, dtype_name)
+    fp = store.request_fingerprint(name_or_path, quant, dtype_name, vision)
     return store.write_entry(filled_groups(abstract, members, source, name_map, storage), root, fp,
                              store.entry_name(name_or_path, ckpt), cfg, tokenizer, total=len(members),
                              desc="zoo cache build", progress=progress)

@@ -125,22 +125,23 @@ def _split_glob(name: str) -> str:
     return stem.rsplit("-", 1)[0] + "-*-of-" + rest
 
 
-def fingerprint(model: str, quant: str | None, dtype: str, sources: list[dict] | None) -> dict:
-    """``sources`` None: the sources are not on this machine (match on the request alone)."""
-    return {"request": {"model": model, "quant": quant, "dtype": dtype, **layout_versions()},
+def fingerprint(model: str, quant: str | None, dtype: str, sources: list[dict] | None, vision: bool = True) -> dict:
+    """``sources`` None: the sources are not on this machine (match on the request alone); ``vision``:
+    whether the load keeps a multimodal checkpoint's vision tower."""
+    return {"request": {"model": model, "quant": quant, "dtype": dtype, "vision": bool(vision), **layout_versions()},
             "sources": sources}
 
 
-def request_fingerprint(name_or_path, quant, dtype: str) -> dict:
+def request_fingerprint(name_or_path, quant, dtype: str, vision: bool = True) -> dict:
     """The cache fingerprint of a load request; source identities where the sources are local."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         return fingerprint(f"path:{path.resolve().name}", quant, dtype,
-                                      [file_identity(f) for f in source_files(path)])
+                           [file_identity(f) for f in source_files(path)], vision)
     spec = registry.get_spec(str(name_or_path))
     local = registry.local_checkpoint(spec)
     sources = None if local is None else [file_identity(f) for f in source_files(local)]
-    return fingerprint(spec.name, quant, dtype, sources)
+    return fingerprint(spec.name, quant, dtype, sources, vision)
 
 
 def entry_name(name_or_path, ckpt: Path) -> str:
