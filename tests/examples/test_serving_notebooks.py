@@ -14,7 +14,7 @@ import sys
 
 from tests.support.notebooks import NOTEBOOKS, outputs_text, run_notebook
 
-COMMON = {"INSTALL": None, "GGUF": None, "PUSH_DATASET": None, "MAX_TOKENS": 40, "BATCHES": [1, 2, 4],
+COMMON = {"INSTALL": None, "GGUF": None, "PUSH_DATASET": None, "MAX_TOKENS": 32, "BATCHES": [1, 3],
           "SERVE_ARGS": ["--max-batch", "4"]}
 EIGHT_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
@@ -44,7 +44,7 @@ def test_glm_notebook_first_run_builds_the_cache_and_serves_from_it(tmp_path):
     assert speedup > 0
     sweep = sweep_of(text)
     assert sorted((r["label"], r["batch"]) for r in sweep) == sorted(
-        (label, b) for label in ("MTP k=3", "no MTP") for b in (1, 2, 4))
+        (label, b) for label in ("MTP k=3", "no MTP") for b in (1, 3))
     assert all(r["tokens_per_s"] > 0 for r in sweep)
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 2                                           # the plan and the throughput
@@ -65,4 +65,4 @@ def test_qwen_notebook_restores_an_attached_dataset(tmp_path):
     assert "built in" not in text and not cache.exists()              # nothing built, nothing written
     assert text.count(f"restored from {entry} in") == 1               # the MTP server (the plain one: quiet)
     assert re.search(r"MTP speed-up: [0-9.]+x", text)
-    assert {r["batch"] for r in sweep_of(text)} == {1, 2, 4}
+    assert {r["batch"] for r in sweep_of(text)} == {1, 3}

@@ -7,6 +7,7 @@ import json
 import numpy as np
 from flax import nnx
 
+from zoo.loader.open import without_vision
 from zoo.models.config import config_from_hf, load_config
 from zoo.models.qwen38.config import Qwen38Config
 from zoo.registry import preset_path
@@ -16,7 +17,10 @@ def test_flat_and_nested_configs_agree():
     flat = json.loads(preset_path("qwen38-tiny.json").read_text())
     nested = {"model_type": "qwen3_5", "text_config": {**flat, "model_type": "qwen3_5_text"},
               "vision_config": {"depth": 1}}
-    assert config_from_hf(flat) == config_from_hf(nested)
+    assert config_from_hf(flat) == config_from_hf({**nested, "vision_config": None})
+    # a vision config makes a tower; the text model is the same
+    with_tower = config_from_hf(nested)
+    assert with_tower.vision is not None and without_vision(with_tower) == config_from_hf(flat)
 
 
 def test_layer_types_from_interval_and_rope_fields():
@@ -32,11 +36,14 @@ def test_layer_types_from_interval_and_rope_fields():
 
 
 def test_real_shape_parameter_count():
-    """The 27B preset, built abstractly (no memory): text model + MTP layer, vision excluded."""
+    """The 27B preset, built abstractly (no memory): text model + MTP layer + vision tower is the
+    published 27,781,427,952; without the tower (``vision=False``), the text model + MTP layer."""
     from zoo.models.qwen38.model import Qwen38
 
+    def count(cfg) -> int:
+        model = nnx.eval_shape(lambda: Qwen38(cfg))
+        return sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(model)))
+
     cfg = load_config(preset_path("qwen38-27b.json"))
-    model = nnx.eval_shape(lambda: Qwen38(cfg))
-    n = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(model)))
-    # 27,781,427,952 published (incl. a ~0.46B vision tower); the text model + MTP is:
-    assert n == 27_320_697_856
+    assert count(cfg) == 27_781_427_952
+    assert count(without_vision(cfg)) == 27_320_697_856

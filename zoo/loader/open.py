@@ -55,9 +55,9 @@ def resolve(name_or_path: str | Path) -> Path:
     return registry.resolve_checkpoint(registry.get_spec(str(name_or_path)))
 
 
-def has_mtp_tensors(source, name_map: NameMap) -> bool:
-    """Some source tensor maps to an MTP parameter (``mtp.*``)."""
-    return any((hit := name_map.resolve(k)) is not None and hit.path.startswith("mtp.") for k in source.keys())
+def has_tensors_for(source, name_map: NameMap, prefix: str) -> bool:
+    """Some source tensor maps to a parameter under ``prefix`` (``"mtp."``, ``"visual."``)."""
+    return any((hit := name_map.resolve(k)) is not None and hit.path.startswith(prefix) for k in source.keys())
 
 
 def without_vision(cfg):
@@ -86,8 +86,10 @@ def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = Tr
         return source, cfg, name_map, tokenizer or gguf_tokenizer, store, "gguf"
     source = Fp8Dequantized(SafetensorsSource(ckpt))
     arch = architecture(cfg.arch)
-    if not cfg.mtp_num_hidden_layers and has_mtp_tensors(source, arch.hf_name_map(cfg)):
+    if not cfg.mtp_num_hidden_layers and has_tensors_for(source, arch.hf_name_map(cfg), "mtp."):
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)   # MTP weights present, config silent
+    if getattr(cfg, "vision", None) is not None and not has_tensors_for(source, arch.hf_name_map(cfg), "visual."):
+        cfg = without_vision(cfg)           # a config naming a tower whose weights the checkpoint lacks
     source, name_map = sources_for(recipe, ckpt, cfg, source, arch.hf_name_map(cfg))   # recipes mixing in a GGUF
     return source, cfg, name_map, tokenizer, store_for(quant, cfg.arch, dtype), "safetensors"
 

@@ -72,10 +72,10 @@ GENERIC_RECIPES: dict[str, Recipe] = {r.name: r for r in [
            load="dequantized", plan=((r".", "BF16"),), dtype="bfloat16"),
     Recipe("Q8_0", "every float matmul weight quantized to Q8_0 by gguf's quantizer at load (weights "
                    "already quantized in the source kept as stored); embeddings, norms dense",
-           load="Q8_0", plan=((r"(attention|mlp|shared_experts|routed_experts|output|mtp):", "Q8_0"),)),
+           load="Q8_0", plan=((r"(attention|mlp|shared_experts|routed_experts|output|mtp|vision):", "Q8_0"),)),
     Recipe("int8", "every float matmul weight as int8 with one float32 scale per output channel "
                    "(zoo.quant.int8); embeddings, norms, routers dense",
-           load="int8", plan=((r"(attention|mlp|shared_experts|routed_experts|output|mtp):", "INT8"),)),
+           load="int8", plan=((r"(attention|mlp|shared_experts|routed_experts|output|mtp|vision):", "INT8"),)),
 ]}
 
 # load policy -> storage function (``zoo.quant.storage``)

@@ -82,6 +82,8 @@ DEFAULT_SEARCH_ROOTS = ("/kaggle/input",)
 # Stored-weight types a manifest may name (a cache is data: nothing else is ever instantiated).
 STORED_TYPES = {"QArray": "zoo.quant.qarray:QArray", "Int8Weight": "zoo.quant.int8:Int8Weight"}
 ENUMS = {"GGMLQuantizationType": "gguf.constants:GGMLQuantizationType"}
+# Nested config dataclasses a manifest may hold (a model's vision tower config): zoo's model packages only.
+CONFIG_MODULES = ("zoo.models.",)
 
 
 class CacheError(ValueError):
@@ -176,6 +178,9 @@ def _encode_meta(value):
         return {"__tuple__": [_encode_meta(v) for v in value]}
     if value is None or isinstance(value, (int, float, str, bool)):
         return value
+    if dataclasses.is_dataclass(value) and type(value).__module__.startswith(CONFIG_MODULES):
+        return {"__dataclass__": f"{type(value).__module__}:{type(value).__qualname__}",   # a nested config
+                "fields": {f.name: _encode_meta(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     raise TypeError(f"cannot record metadata value {value!r} in a cache manifest")
 
 
@@ -186,6 +191,12 @@ def _decode_meta(value):
         return _import(ENUMS[value["__enum__"]])[value["name"]]
     if isinstance(value, dict) and "__tuple__" in value:
         return tuple(_decode_meta(v) for v in value["__tuple__"])
+    if isinstance(value, dict) and "__dataclass__" in value:       # only zoo's own model configs
+        ref = value["__dataclass__"]
+        cls = _import(ref) if isinstance(ref, str) and ref.startswith(CONFIG_MODULES) else None
+        if cls is None or not dataclasses.is_dataclass(cls):
+            raise CacheError(f"manifest names an unknown config class {ref!r}")
+        return cls(**{k: _decode_meta(v) for k, v in value["fields"].items()})
     return value
 
 

@@ -109,7 +109,7 @@ def write_checkpoint(path: Path, name: str, seed: int, nested: bool = False) -> 
     cfg["mtp_num_hidden_layers"] = 1
     if nested:
         cfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
-               "text_config": {**cfg, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1}}
+               "text_config": {**cfg, "model_type": "qwen3_5_text"}}     # no tower: vision_config would add one
     (path / "config.json").write_text(json.dumps(cfg))
     return model
 

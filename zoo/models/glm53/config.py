@@ -6,6 +6,11 @@ import dataclasses
 from typing import Any, ClassVar
 
 from zoo.models.config import ConfigError, text_part
+from zoo.models.glm53.vision import VisionConfig
+
+# transformers' ``Glm5NextConfig`` defaults of the multimodal token ids
+TOKEN_IDS = {"image_token_id": 154854, "video_token_id": 154855, "image_start_token_id": 154830,
+             "image_end_token_id": 154831, "video_start_token_id": 154832, "video_end_token_id": 154833}
 
 
 def _indexer_types(t: dict[str, Any], n_layers: int) -> list[str]:
@@ -28,6 +33,12 @@ class Glm53Config:
     ``indexer_types[i]`` (read on indexed layers): ``"full"`` runs the layer's indexer, ``"shared"``
     reuses the selection of the last full layer before it. ``mtp_num_hidden_layers`` counts the
     MTP layers stored after the last layer (``layers.{num_hidden_layers}``).
+
+    ``vision``: the vision tower (``zoo.models.glm53.vision``) when config.json has a ``vision_config``,
+    else None (text only); the ``*_token_id`` fields are the multimodal placeholders and delimiters
+    (``zoo.models.glm53.multimodal``: a video's frames are ``image_token_id`` runs inside a
+    ``video_start_token_id`` ... ``video_end_token_id`` span; ``video_token_id`` is the prompt's
+    marker, not a placeholder).
     """
 
     arch: ClassVar[str] = "glm53"
@@ -71,6 +82,13 @@ class Glm53Config:
     mtp_num_hidden_layers: int = 0
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    vision: VisionConfig | None = None
+    image_token_id: int = TOKEN_IDS["image_token_id"]
+    video_token_id: int = TOKEN_IDS["video_token_id"]
+    image_start_token_id: int = TOKEN_IDS["image_start_token_id"]
+    image_end_token_id: int = TOKEN_IDS["image_end_token_id"]
+    video_start_token_id: int = TOKEN_IDS["video_start_token_id"]
+    video_end_token_id: int = TOKEN_IDS["video_end_token_id"]
 
     LAYER_TYPES: ClassVar[frozenset[str]] = frozenset({"linear_attention", "indexed_attention"})
     MLP_TYPES: ClassVar[frozenset[str]] = frozenset({"dense", "sparse"})
@@ -96,10 +114,14 @@ class Glm53Config:
                               f"top {self.topk_group} groups: inconsistent")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError("num_experts_per_tok exceeds n_routed_experts")
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ConfigError(f"vision_config.out_hidden_size {self.vision.out_hidden_size} != hidden_size "
+                              f"{self.hidden_size}: the tower's rows replace token embeddings")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "Glm53Config":
         t = text_part(hf)
+        vision = hf.get("vision_config")              # text_part leaves it out; read from the outer dict
         try:
             n_layers = int(t["num_hidden_layers"])
             if int(t.get("qk_rope_head_dim") or 0):
@@ -163,6 +185,8 @@ class Glm53Config:
                 mtp_num_hidden_layers=int(mtp or 0),
                 eos_token_id=eos,
                 pad_token_id=t.get("pad_token_id"),
+                vision=VisionConfig.from_hf(vision) if isinstance(vision, dict) else None,
+                **{k: int(next((d[k] for d in (hf, t) if d.get(k) is not None), v)) for k, v in TOKEN_IDS.items()},
             )
         except KeyError as e:
             raise ConfigError(f"config is missing the field {e.args[0]!r}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zoo.models.glm53.vision import gguf_tensors as vision_tensors
 from zoo.models.shared.inventory import Tensor
 
 
@@ -62,7 +63,8 @@ def _glm_block(i: int, cfg, mixer: str, mlp: str, indexer: bool, mtp: bool) -> l
 
 def glm5next_tensors(cfg) -> list[Tensor]:
     """Every tensor of a ``glm5-next`` GGUF for a ``Glm53Config``; MTP blocks (MLA with a full
-    indexer + MoE, no hyper-connections) after the main ones."""
+    indexer + MoE, no hyper-connections) after the main ones; with a vision tower (``cfg.vision``),
+    its tensors last, class ``"vision"``, in llama.cpp's mmproj names (a separate file there)."""
     d, n = cfg.hidden_size, cfg.num_hidden_layers
     out = [Tensor("token_embd.weight", (cfg.vocab_size, d), "embedding", False),
            Tensor("output_norm.weight", (d,), "norms", False)]
@@ -76,6 +78,8 @@ def glm5next_tensors(cfg) -> list[Tensor]:
         out += [Tensor(b + "eh_proj.weight", (d, 2 * d), "mtp")]
         out += [Tensor(b + f"{x}.weight", (d,), "mtp", False) for x in ("enorm", "hnorm", "shared_head_norm")]
         out += _glm_block(n + j, cfg, "indexed_attention", "sparse", True, mtp=True)
+    if getattr(cfg, "vision", None) is not None:
+        out += vision_tensors(cfg.vision, "vision")
     return out
 
 

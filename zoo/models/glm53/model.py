@@ -19,6 +19,13 @@ and k-token verify; the cache is explicit (the model contract of ``zoo.models.co
                layers=(KDACache(conv, state) | LatentCache(latent, indexer | None), ...),  one per layer
                mtp=MTPCache(slots=PositionMeta, layers=(LatentCache,)))          with an MTP layer
 
+Images (``zoo.models.glm53.multimodal``): with a ``vision_config`` the model has ``visual`` (the
+vision tower, ``zoo.models.glm53.vision``); ``encode_images`` runs it, and ``__call__(..., mm=MMInputs)``
+takes its rows in place of the placeholder tokens' embeddings (``where(is_image, rows, embed(ids))``)
+before the streams are made. ``mtp_forward(..., mm=)`` does the same for the MTP layer's next-token
+embeddings (transformers has no MTP layer: it drops ``layers.{N}`` on load; the rows follow what
+speculative decoders of multimodal targets feed their drafters).
+
 Speculative decoding: ``keep_steps`` keeps the KDA states and the indexer tails after every token of
 a verify call; ``rollback`` keeps the accepted prefix. The latent cache and the pooled keys are
 positional: slots past the kept prefix are marked empty and rewritten later.
@@ -43,7 +50,9 @@ from zoo.models.glm53.mla import (
     rollback_positions,
 )
 from zoo.models.glm53.moe import MoE
-from zoo.models.shared.cache import ModelCache
+from zoo.models.glm53.multimodal import MMInputs
+from zoo.models.glm53.vision import VisionTower
+from zoo.models.shared.cache import ModelCache, MTPCache
 from zoo.models.shared.causal_lm import CausalLM
 from zoo.models.shared.layers import Embed, Linear, RMSNorm, SwiGLU
 from zoo.models.shared.mtp import MTPHead
@@ -119,7 +128,7 @@ class MTPBlock(nnx.Module):
 
 
 class Glm53(CausalLM):
-    """The GLM-5.3-Flash causal LM (text part) with its optional MTP layer."""
+    """The GLM-5.3-Flash causal LM with its optional MTP layer and vision tower."""
 
     def __init__(self, cfg: Glm53Config, *, dtype=jnp.bfloat16):
         self.config = cfg
@@ -135,6 +144,7 @@ class Glm53(CausalLM):
             embed_norm=RMSNorm(d, **norm), hidden_norm=RMSNorm(d, **norm), dim=d,
             block=MTPBlock(cfg, dtype=dtype), final_norm=RMSNorm(d, **norm), dtype=dtype,
         ) if cfg.mtp_num_hidden_layers else None
+        self.visual = None if cfg.vision is None else VisionTower(cfg.vision, dtype=dtype)
 
     # -- position bookkeeping (``CausalLM``) ------------------------------------------------------
     empty_meta = staticmethod(empty_positions)
@@ -143,14 +153,31 @@ class Glm53(CausalLM):
     def advance(self, meta: PositionMeta, mask: jax.Array) -> tuple[Positions, PositionMeta]:
         return advance_positions(meta, mask)
 
+    # -- images -----------------------------------------------------------------------------
+    def encode_images(self, patches: jax.Array, grid_thw) -> jax.Array:
+        """The vision tower: patches [N, C*T*P*P], static grid ((t, h, w), ...) -> rows [N / m^2, D]."""
+        if self.visual is None:
+            raise ValueError("this model has no vision tower (config.json has no vision_config, or it was "
+                             "loaded with vision=False)")
+        return self.visual(patches, grid_thw)
+
+    def embed(self, ids: jax.Array, mm: MMInputs | None = None) -> jax.Array:
+        """Input embeddings [B, T, D]: the tokens', or the tower's rows where ``mm.is_image``."""
+        x = self.embed_tokens(ids)
+        if mm is None:
+            return x
+        return jnp.where(jnp.asarray(mm.is_image, bool)[..., None], jnp.asarray(mm.rows).astype(x.dtype), x)
+
     # -- forward ----------------------------------------------------------------------------
-    def __call__(self, ids: jax.Array, mask: jax.Array, cache: ModelCache, keep_steps: bool = False):
+    def __call__(self, ids: jax.Array, mask: jax.Array, cache: ModelCache, keep_steps: bool = False,
+                 mm: MMInputs | None = None):
         """ids, mask [B, T] -> (logits f32 [B, T, V], post-norm hidden [B, T, D], new cache).
 
-        ``keep_steps``: recurrent state is kept after every token (see ``rollback``)."""
+        ``keep_steps``: recurrent state is kept after every token (see ``rollback``). ``mm``: image
+        rows in place of placeholder tokens (``zoo.models.glm53.multimodal``; its positions unused)."""
         mask = mask.astype(bool)
         pos, meta = self.advance(cache.slots, mask)
-        x = self.embed_tokens(ids)
+        x = self.embed(ids, mm)
         streams = jnp.broadcast_to(x[:, :, None, :], x.shape[:2] + (self.config.hc_mult, x.shape[-1]))
         selection, new_layers = None, []
         for layer, layer_cache in zip(self.layers, cache.layers):
@@ -158,6 +185,20 @@ class Glm53(CausalLM):
             new_layers.append(layer_cache)
         hidden = self.norm(jnp.mean(streams, axis=2))
         return self.head(hidden), hidden, cache.replace(slots=meta, layers=tuple(new_layers))
+
+    def mtp_forward(self, hidden: jax.Array, next_ids: jax.Array, mask: jax.Array, cache: ModelCache,
+                    mm: MMInputs | None = None):
+        """``CausalLM.mtp_forward``; ``mm`` (aligned with ``next_ids``: row t holds x_{t+1}'s image row)
+        puts the tower's rows in place of placeholder tokens' embeddings, as the main forward does."""
+        if mm is None:
+            return super().mtp_forward(hidden, next_ids, mask, cache)
+        if self.mtp is None:
+            raise ValueError("this model has no MTP layer (mtp_num_hidden_layers == 0)")
+        mask = mask.astype(bool)
+        positions, meta = self.advance(cache.mtp.slots, mask)
+        out, block_cache = self.mtp(hidden.astype(self.dtype), self.embed(next_ids, mm), mask, positions,
+                                    cache.mtp.layers[0])
+        return self.head(out), out, cache.replace(mtp=MTPCache(slots=meta, layers=(block_cache,)))
 
 
 MODEL = Glm53

@@ -7,6 +7,7 @@ import functools
 
 import numpy as np
 
+from zoo.models.glm53 import vision as vision_tower
 from zoo.sources.names import Combiner, Join, NameMap, Rule
 
 
@@ -53,13 +54,19 @@ def _glm5next_layer_rules(src: str, dst: str) -> list[Rule]:
     ]
 
 
+def _under(prefix: str, rules) -> list[Rule]:
+    """The tower's rules (``zoo.models.glm53.vision.hf_names``) for names and parameters under ``prefix.``."""
+    return [Rule(rf"{prefix}\.{r.pattern}", f"{prefix}.{r.target}", r.transform, r.index) for r in rules]
+
+
 @functools.lru_cache(maxsize=None)
-def _glm5next_hf(num_hidden_layers: int) -> NameMap:
+def _glm5next_hf(num_hidden_layers: int, vision: vision_tower.VisionConfig | None) -> NameMap:
     mtp = rf"layers\.{num_hidden_layers}"
+    tower = () if vision is None else _under("visual", vision_tower.hf_names(vision).rules)
     return NameMap(
         strip_prefixes=("model.language_model.", "model."),
-        ignore=(r"model\.visual\.", r"visual\.",
-                r"(model\.(language_model\.)?)?layers\.\d+\.(embed_tokens|shared_head\.head)\."),
+        ignore=(() if vision is not None else (r"model\.visual\.", r"visual\."))
+        + (r"(model\.(language_model\.)?)?layers\.\d+\.(embed_tokens|shared_head\.head)\.",),
         rules=tuple(
             [Rule(r"embed_tokens\.weight", "embed_tokens.embedding"),
              Rule(r"norm\.weight", "norm.weight"),
@@ -70,6 +77,7 @@ def _glm5next_hf(num_hidden_layers: int) -> NameMap:
              Rule(rf"{mtp}\.shared_head\.norm\.weight", "mtp.final_norm.weight")]
             + _glm5next_layer_rules(mtp, "mtp.block")
             + _glm5next_layer_rules(r"layers\.(?P<i>\d+)", r"layers.\g<i>")
+            + list(tower)
         ),
     )
 
@@ -77,9 +85,10 @@ def _glm5next_hf(num_hidden_layers: int) -> NameMap:
 def glm5next_hf(cfg) -> NameMap:
     """HF ``glm5_next`` checkpoints (on-disk names): ``model.language_model.*`` (multimodal) or
     ``model.*`` (text only), ``lm_head.weight`` at the top level; the MTP layer is
-    ``layers.{num_hidden_layers}``; the vision tower and the MTP layer's copies of the embedding
-    and head (when present) are ignored."""
-    return _glm5next_hf(cfg.num_hidden_layers)
+    ``layers.{num_hidden_layers}``; the vision tower ``model.visual.*`` -> ``visual.*`` when the
+    config has one (``cfg.vision``), else ignored; the MTP layer's copies of the embedding and head
+    (when present) are ignored."""
+    return _glm5next_hf(cfg.num_hidden_layers, getattr(cfg, "vision", None))
 
 
 # llama.cpp's ``glm5next`` block: GGUF name after ``blk.N.`` -> parameter after the layer prefix,
@@ -123,7 +132,7 @@ GLM5NEXT_JOINS = (Join(r"(?P<b>blk\.\d+)\.attn_k_b\.weight", (r"\g<b>.attn_k_b.w
 
 
 @functools.lru_cache(maxsize=None)
-def _glm5next_gguf(num_hidden_layers: int) -> NameMap:
+def _glm5next_gguf(num_hidden_layers: int, vision: vision_tower.VisionConfig | None) -> NameMap:
     def block(src: str, dst: str) -> list[Rule]:
         return [Rule(rf"{src}\.{pattern}", f"{dst}.{target}", transform)
                 for pattern, target, transform in _GLM5NEXT_BLOCK]
@@ -142,6 +151,7 @@ def _glm5next_gguf(num_hidden_layers: int) -> NameMap:
              Rule(rf"{mtp}\.nextn\.shared_head_norm\.weight", "mtp.final_norm.weight")]
             + block(mtp, "mtp.block")
             + block(r"blk\.(?P<i>\d+)", r"layers.\g<i>")
+            + ([] if vision is None else vision_tower.gguf_rules(vision, "visual"))
         ),
     )
 
@@ -151,8 +161,10 @@ def glm5next_gguf_names(cfg) -> NameMap:
     section 1): plain norms (no +1), ``ssm_a`` = ``-exp(A_log)``, KDA convs ``[C, (1,) K]`` (any unit
     dims), ``kv_b`` joined from ``attn_k_b`` + ``attn_v_b``, stacked expert banks ``[E, out, in]``
     ("T" -> ``[E, in, out]``); the MTP block is ``blk.{num_hidden_layers}`` plus its ``nextn.*``
-    tensors (its copies of the embedding and head, when present, are the shared ones: ignored)."""
-    return _glm5next_gguf(cfg.num_hidden_layers)
+    tensors (its copies of the embedding and head, when present, are the shared ones: ignored). With a
+    vision tower (``cfg.vision``), its tensors in llama.cpp's mmproj names
+    (``zoo.models.glm53.vision.gguf_rules``: the names of the planner's inventory)."""
+    return _glm5next_gguf(cfg.num_hidden_layers, getattr(cfg, "vision", None))
 
 
 hf_names = glm5next_hf

@@ -1,8 +1,31 @@
-"""Qwen3.8's tensor inventory in llama.cpp ``qwen35`` names (see ``zoo.models.shared.inventory``)."""
+"""Qwen3.8's tensor inventory in llama.cpp ``qwen35`` names (see ``zoo.models.shared.inventory``), and
+the vision tower's in llama.cpp's mmproj names (class ``vision``) when the config has one."""
 
 from __future__ import annotations
 
+from zoo.models.qwen38.vision import VisionConfig, gguf_patch_parts
 from zoo.models.shared.inventory import Tensor
+
+
+def vision_tensors(v: VisionConfig) -> list[Tensor]:
+    """The tower's tensors as llama.cpp's mmproj stores them (``zoo.models.qwen38.vision.gguf_vision_rules``):
+    the Conv3d patch kernel as T Conv2d kernels ``[D, C, P, P]``, matrices ``[out, in]``."""
+    d, c, p, i_ = v.hidden_size, v.in_channels, v.patch_size, v.intermediate_size
+    md, o = v.merged_dim, v.out_hidden_size
+    t = lambda name, shape, matmul=False: Tensor(name, shape, "vision", matmul)      # noqa: E731
+    out = [t(name, (d, c, p, p)) for name in gguf_patch_parts(v)]
+    out += [t("v.patch_embd.bias", (d,)), t("v.position_embd.weight", (v.num_position_embeddings, d))]
+    for i in range(v.depth):
+        b = f"v.blk.{i}."
+        out += [t(b + f"{n}.{w}", (d,)) for n in ("ln1", "ln2") for w in ("weight", "bias")]
+        out += [t(b + "attn_qkv.weight", (3 * d, d), True), t(b + "attn_qkv.bias", (3 * d,)),
+                t(b + "attn_out.weight", (d, d), True), t(b + "attn_out.bias", (d,)),
+                t(b + "ffn_up.weight", (i_, d), True), t(b + "ffn_up.bias", (i_,)),
+                t(b + "ffn_down.weight", (d, i_), True), t(b + "ffn_down.bias", (d,))]
+    out += [t("v.post_ln.weight", (d,)), t("v.post_ln.bias", (d,)),
+            t("mm.0.weight", (md, md), True), t("mm.0.bias", (md,)),
+            t("mm.2.weight", (o, md), True), t("mm.2.bias", (o,))]
+    return out
 
 
 def _qwen35_block(i: int, cfg, linear: bool, mtp: bool) -> list[Tensor]:
@@ -32,7 +55,8 @@ def _qwen35_block(i: int, cfg, linear: bool, mtp: bool) -> list[Tensor]:
 
 
 def qwen35_tensors(cfg) -> list[Tensor]:
-    """Every tensor of a ``qwen35`` GGUF for a ``Qwen38Config`` (MTP blocks after the main ones)."""
+    """Every tensor of a ``qwen35`` GGUF for a ``Qwen38Config`` (MTP blocks after the main ones), then
+    the vision tower's (``vision_tensors``) when the config has one."""
     d, n = cfg.hidden_size, cfg.num_hidden_layers
     out = [Tensor("token_embd.weight", (cfg.vocab_size, d), "embedding", False),
            Tensor("output_norm.weight", (d,), "norms", False)]
@@ -45,6 +69,8 @@ def qwen35_tensors(cfg) -> list[Tensor]:
         out += [Tensor(b + "eh_proj.weight", (d, 2 * d), "mtp")]
         out += [Tensor(b + f"{x}.weight", (d,), "mtp", False) for x in ("enorm", "hnorm", "shared_head_norm")]
         out += _qwen35_block(n + j, cfg, False, mtp=True)
+    if getattr(cfg, "vision", None) is not None:
+        out += vision_tensors(cfg.vision)
     return out
 
 

@@ -1,8 +1,16 @@
 """Qwen3.8 weight maps: HF ``qwen3_5`` safetensors names and llama.cpp ``qwen35`` GGUF names ->
-parameter paths of ``zoo.models.qwen38.model.Qwen38`` (with layout transforms)."""
+parameter paths of ``zoo.models.qwen38.model.Qwen38`` (with layout transforms).
+
+With a vision tower (``config.vision``) the HF map also loads ``model.visual.*`` into ``visual.*``
+and the GGUF map places llama.cpp's mmproj names of the tower (``v.*``, ``mm.*``: the inventory's);
+without one the tower's tensors are ignored.
+"""
 
 from __future__ import annotations
 
+import functools
+
+from zoo.models.qwen38.vision import VisionConfig, gguf_vision_joins, gguf_vision_rules, vision_rules
 from zoo.sources.names import HeadOrder, NameMap, Rule, Transform
 
 
@@ -23,27 +31,39 @@ def _qwen35_layer_rules(src: str, dst: str) -> list[Rule]:
     ]
 
 
+_QWEN35_HF_STRIP = ("model.language_model.", "model.")
+_QWEN35_HF_RULES = tuple(
+    [Rule(r"embed_tokens\.weight", "embed_tokens.embedding"),
+     Rule(r"norm\.weight", "norm.weight"),
+     Rule(r"lm_head\.weight", "lm_head.kernel", "matmul"),
+     Rule(r"mtp\.fc\.weight", "mtp.fc.kernel", "matmul"),
+     Rule(r"mtp\.pre_fc_norm_embedding\.weight", "mtp.embed_norm.weight"),
+     Rule(r"mtp\.pre_fc_norm_hidden\.weight", "mtp.hidden_norm.weight"),
+     Rule(r"mtp\.norm\.weight", "mtp.final_norm.weight")]
+    + _qwen35_layer_rules(r"layers\.(?P<i>\d+)", r"layers.\g<i>")
+    + _qwen35_layer_rules(r"mtp\.layers\.0", "mtp.block")
+)
+
 # HF qwen3_5 checkpoints: ``model.language_model.*`` (multimodal) or ``model.*`` (text only),
-# ``lm_head.weight`` and ``mtp.*`` at the top level; the vision tower is ignored.
+# ``lm_head.weight`` and ``mtp.*`` at the top level; the vision tower ``model.visual.*`` (or
+# ``visual.*``) is ignored (a text-only config) or loaded into ``visual.*`` (``hf_names``).
 QWEN35_HF = NameMap(
-    strip_prefixes=("model.language_model.", "model."),
+    strip_prefixes=_QWEN35_HF_STRIP,
     ignore=(r"model\.visual\.", r"visual\."),
-    rules=tuple(
-        [Rule(r"embed_tokens\.weight", "embed_tokens.embedding"),
-         Rule(r"norm\.weight", "norm.weight"),
-         Rule(r"lm_head\.weight", "lm_head.kernel", "matmul"),
-         Rule(r"mtp\.fc\.weight", "mtp.fc.kernel", "matmul"),
-         Rule(r"mtp\.pre_fc_norm_embedding\.weight", "mtp.embed_norm.weight"),
-         Rule(r"mtp\.pre_fc_norm_hidden\.weight", "mtp.hidden_norm.weight"),
-         Rule(r"mtp\.norm\.weight", "mtp.final_norm.weight")]
-        + _qwen35_layer_rules(r"layers\.(?P<i>\d+)", r"layers.\g<i>")
-        + _qwen35_layer_rules(r"mtp\.layers\.0", "mtp.block")
-    ),
+    rules=_QWEN35_HF_RULES,
 )
 
 
+@functools.lru_cache(maxsize=None)
+def _qwen35_hf_with_vision(vision: VisionConfig) -> NameMap:
+    # "model." is stripped first, so the tower's names are matched as ``visual.*``
+    return NameMap(strip_prefixes=_QWEN35_HF_STRIP,
+                   rules=_QWEN35_HF_RULES + tuple(vision_rules(vision, r"visual", "visual")))
+
+
 def qwen35_gguf_names(cfg) -> NameMap:
-    """llama.cpp's ``qwen35`` GGUF layout for a ``Qwen38Config`` (docs/reference.md section 2).
+    """llama.cpp's ``qwen35`` GGUF layout for a ``Qwen38Config`` (docs/reference.md section 2), and
+    with a vision tower its mmproj names (``zoo.models.qwen38.vision.gguf_vision_rules``).
 
     Numpy-order matrices are ``[out, in]`` ("matmul"); norms are stored ``1 + w`` ("minus_one", all but
     the DeltaNet output norm); ``ssm_a`` is ``-exp(A_log)``; every value-head tensor has its heads
@@ -79,8 +99,10 @@ def qwen35_gguf_names(cfg) -> NameMap:
         ]
 
     mtp = rf"blk\.{cfg.num_hidden_layers}"
+    vision = getattr(cfg, "vision", None)
     return NameMap(
         ignore=(rf"{mtp}\.nextn\.(embed_tokens|shared_head_head)\.",),
+        joins=() if vision is None else gguf_vision_joins(vision),
         rules=tuple(
             [Rule(r"token_embd\.weight", "embed_tokens.embedding"),
              Rule(r"output_norm\.weight", "norm.weight", "minus_one"),
@@ -91,13 +113,16 @@ def qwen35_gguf_names(cfg) -> NameMap:
              Rule(rf"{mtp}\.nextn\.shared_head_norm\.weight", "mtp.final_norm.weight", "minus_one")]
             + block(mtp, "mtp.block")
             + block(r"blk\.(?P<i>\d+)", r"layers.\g<i>")
+            + ([] if vision is None else gguf_vision_rules(vision, "visual"))
         ),
     )
 
 
 def hf_names(cfg) -> NameMap:
-    """HF ``qwen3_5`` checkpoints (the map does not depend on the config)."""
-    return QWEN35_HF
+    """HF ``qwen3_5`` checkpoints: the text model (and MTP layer), plus the vision tower when the
+    config has one (``config.vision``); a text-only config ignores the tower's tensors."""
+    vision = getattr(cfg, "vision", None)
+    return QWEN35_HF if vision is None else _qwen35_hf_with_vision(vision)
 
 
 gguf_names = qwen35_gguf_names

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from zoo.ops.matmul import matmul
@@ -132,6 +133,26 @@ def rotary_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[
     exponents = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim
     inv_freq = 1.0 / (jnp.float32(theta) ** exponents)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def multi_axis_rotary_tables(positions: jax.Array, rotary_dim: int, theta: float, freq_axes: tuple[int, ...]
+                             ) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[B, T, rotary_dim]`` (f32) for positions along several axes, ``positions [A, B, T]``
+    (M-RoPE: a token's (t, h, w)): frequency j rotates by the position on axis ``freq_axes[j]``
+    (``rotary_dim / 2`` entries), halves repeated. With all A axes equal this is exactly
+    ``rotary_tables`` of one of them (the same products, selected)."""
+    if len(freq_axes) != rotary_dim // 2:
+        raise ValueError(f"freq_axes has {len(freq_axes)} entries for {rotary_dim // 2} frequencies")
+    exponents = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim
+    inv_freq = 1.0 / (jnp.float32(theta) ** exponents)
+    every = positions.astype(jnp.float32)[..., None] * inv_freq                 # [A, B, T, rotary_dim / 2]
+    axes = np.asarray(freq_axes)
+    freqs = every[0]
+    for a in range(1, positions.shape[0]):
+        if (axes == a).any():
+            freqs = jnp.where(jnp.asarray(axes == a), every[a], freqs)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
