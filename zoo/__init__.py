@@ -9,13 +9,15 @@ __version__ = "0.1.0"
 __all__ = ["load", "list_models", "plan", "Model"]
 
 
-def load(name_or_path, *, quant=None, mesh=None, cache=None, dtype="bfloat16", weights=True, mtp=None, vision=True):
+def load(name_or_path, *, quant=None, mesh=None, cache=None, dtype="bfloat16", weights=True, mtp=None, vision=True,
+         mmproj=None):
     """Load a model (see ``zoo.api.load``; ``weights=False``: the abstract model, no file read;
     ``mtp``: an MTP overlay directory written by ``zoo fit-mtp``, applied after the load;
-    ``vision=False``: without a multimodal checkpoint's vision tower)."""
+    ``vision=False``: without a multimodal checkpoint's vision tower; ``mmproj``: a llama.cpp
+    multimodal projector GGUF with the tower of a GGUF-loaded model)."""
     from zoo.api import load as _load
     return _load(name_or_path, quant=quant, mesh=mesh, cache=cache, dtype=dtype, weights=weights, mtp=mtp,
-                 vision=vision)
+                 vision=vision, mmproj=mmproj)
 
 
 def plan(name, *, quant, devices=8, layout="tp"):

@@ -37,10 +37,10 @@ from zoo.sharding.mesh import host_value, on_mesh, resolve_mesh
 from zoo.weight_cache import store as weight_cache
 
 
-def _load_cached(name_or_path, quant, mesh, cache, dtype: str, vision: bool = True) -> "Model | None":
+def _load_cached(name_or_path, quant, mesh, cache, dtype: str, vision: bool = True, mmproj=None) -> "Model | None":
     """Restore from a matching cache entry under ``cache`` or the search roots (None if none)."""
     t0 = time.perf_counter()
-    fp = weight_cache.request_fingerprint(name_or_path, quant, dtype, vision)
+    fp = weight_cache.request_fingerprint(name_or_path, quant, dtype, vision, mmproj)
     entry, reasons = weight_cache.find(fp, weight_cache.search_roots(cache))
     for why in reasons:
         print(f"[zoo] not using cache {why}; rebuilding", file=sys.stderr)
@@ -69,7 +69,7 @@ def _load_abstract(name_or_path, quant: str | None, mesh, dtype: str, vision: bo
 
 
 def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache=None,
-         dtype="bfloat16", weights: bool = True, mtp=None, vision: bool = True) -> "Model":
+         dtype="bfloat16", weights: bool = True, mtp=None, vision: bool = True, mmproj=None) -> "Model":
     """Load a model by registry name, local HF checkpoint directory or GGUF file (see module doc).
 
     ``quant``: a recipe of the model's architecture (``zoo.models.recipes.recipes_for``), or None
@@ -82,7 +82,9 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
     model loads, applied after (its MTP parameters replace the checkpoint's, or add an MTP layer);
     ``load_info["mtp_overlay"]`` describes it. The cache, if any, holds the model without it.
     ``vision=False``: a multimodal checkpoint's vision tower is left out (not read, not placed; the
-    model takes text only); a cache entry records which (its fingerprint's ``vision``).
+    model takes text only); a cache entry records which (its fingerprint's ``vision``). ``mmproj``: a
+    llama.cpp multimodal projector GGUF holding the tower of a model loaded from a GGUF
+    (``zoo.loader.mmproj``; without it, the only ``mmproj*.gguf`` beside the GGUF is used).
     """
     dtype_name = jnp.dtype(dtype_of(dtype)).name
     mesh = resolve_mesh(mesh)
@@ -91,23 +93,24 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
             raise ValueError("an MTP overlay (mtp=) applies to loaded weights, not to weights=False")
         return _load_abstract(name_or_path, quant, mesh, dtype_name, vision)
     overlay = None if mtp is None else read_overlay(mtp)     # a missing or corrupt overlay fails first
-    model = _load_weights(name_or_path, quant, mesh, cache, dtype_name, vision)
+    model = _load_weights(name_or_path, quant, mesh, cache, dtype_name, vision, mmproj)
     if overlay is None:
         return model
     module, cfg, info = apply_overlay(model.module, model.config, overlay, mesh, model.load_info.get("path"))
     return Model(module, cfg, model.tokenizer, {**model.load_info, "mtp_overlay": info}, mesh=mesh)
 
 
-def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str, vision: bool = True) -> "Model":
+def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str, vision: bool = True,
+                  mmproj=None) -> "Model":
     """``load`` with weights: from a cache entry, else from the sources (saved to ``cache`` if given)."""
     check_recipe(name_or_path, quant)
-    cached = _load_cached(name_or_path, quant, mesh, cache, dtype_name, vision)
+    cached = _load_cached(name_or_path, quant, mesh, cache, dtype_name, vision, mmproj)
     if cached is not None:
         return cached
     t0 = time.perf_counter()
     ckpt = resolve(name_or_path)
     t_resolve = time.perf_counter()
-    source, cfg, name_map, tokenizer, store, fmt = open_checkpoint(ckpt, quant, dtype_name, vision)
+    source, cfg, name_map, tokenizer, store, fmt = open_checkpoint(ckpt, quant, dtype_name, vision, mmproj)
     model_class = architecture(cfg.arch).model_class()
     abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES.get(dtype_name) or jnp.dtype(dtype_name)))
     module, unused = fill_from_source(abstract, source, name_map, store, mesh=mesh)
@@ -117,7 +120,7 @@ def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str,
             "seconds": {"resolve": t_resolve - t0, "fill": t_fill - t_resolve}}
     model = Model(module, cfg, tokenizer, info, mesh=mesh)
     if cache is not None:
-        fp = weight_cache.request_fingerprint(name_or_path, quant, dtype_name, vision)
+        fp = weight_cache.request_fingerprint(name_or_path, quant, dtype_name, vision, mmproj)
         info["cache_path"] = str(weight_cache.save(model, cache, fp, weight_cache.entry_name(name_or_path, ckpt)))
         info["seconds"]["save"] = time.perf_counter() - t_fill
     info["seconds"]["total"] = time.perf_counter() - t0
@@ -193,16 +196,31 @@ class Model:
 
     def generate(self, input_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop=None, spec_tokens: int = 0, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, images=None):
         """Generate for each prompt in ``input_ids`` (a list of token lists) -> list[Generation].
 
         ``stop``: token ids and/or strings; ``spec_tokens`` k > 0 drafts k tokens per step with the
         model's MTP head (output identical to plain decoding at temperature 0). ``logprobs`` /
         ``prompt_logprobs`` N: ``Generation.logprobs`` / ``.prompt_logprobs``, a ``TokenLogprob``
-        per generated / prompt token with N alternatives (``max_new_tokens`` 0: the prompt's only)."""
-        return self.generator(spec_tokens).generate(
-            input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        per generated / prompt token with N alternatives (``max_new_tokens`` 0: the prompt's only).
+        ``images``: per prompt, its ``zoo.serving.request.ImageInput``s in order (each fills its run of
+        ``config.image_token_id`` placeholders; ``zoo.serving.image_prefill``)."""
+        gen = self.generator(spec_tokens)
+        kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                  stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if images is None:
+            return gen.generate(input_ids, **kw)
+        input_ids = list(input_ids)
+        if len(images) != len(input_ids):
+            raise ValueError(f"{len(images)} image lists for {len(input_ids)} prompts")
+        reqs = [gen.make_request(p, images=tuple(im or ()), **kw) for p, im in zip(input_ids, images)]
+        for r in reqs:
+            gen.check(r)                              # all refused before any is queued
+        for r in reqs:
+            gen.submit(r)
+        while not all(r.done.is_set() for r in reqs):
+            gen.step()
+        return [r.result() for r in reqs]
 
     def stream(self, input_ids, *, spec_tokens: int = 0, **kwargs):
         """Iterator over the generated token ids of one prompt (a list of ints)."""

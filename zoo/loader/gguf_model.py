@@ -23,6 +23,10 @@ from zoo.text.gguf_vocab import tokenizer_from_gguf
 
 def _architecture(src: GGUFSource) -> Architecture:
     arch = for_gguf(src.architecture)
+    if arch is None and src.architecture == "clip":
+        raise SourceError(f"{src.files[0]}: a llama.cpp multimodal projector (mmproj, GGUF architecture 'clip'), "
+                          f"not a model: load the model's GGUF with this file beside it or as mmproj= "
+                          f"(zoo.loader.mmproj; a bare tower: load_vision_tower)")
     if arch is None:
         raise SourceError(f"{src.files[0]}: GGUF architecture {src.architecture!r} is not supported; "
                           f"supported: {sorted(BY_GGUF_ARCHITECTURE)}")

@@ -2,8 +2,9 @@
 config, name map, tokenizer and storage function under a recipe.
 
     resolve(name_or_path) -> Path                    a local checkpoint directory or .gguf file
-    open_checkpoint(ckpt, quant, dtype, vision=True) -> (source, config, name map, tokenizer,
-                                            storage function, "gguf" | "safetensors")
+    open_checkpoint(ckpt, quant, dtype, vision=True, mmproj=None) -> (source, config, name map,
+                                            tokenizer, storage function, "gguf" | "safetensors")
+                                                     (a whole GGUF + an mmproj: ``zoo.loader.mmproj``)
     without_vision(config) -> config                 the text model only (``config.vision`` None: the
                                                      tower's tensors are then ignored)
     check_recipe(name_or_path, quant)                an unknown recipe of a registry model fails
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from zoo import registry
 from zoo.loader.gguf_model import gguf_architecture, open_gguf
+from zoo.loader.mmproj import find_mmproj, with_mmproj
 from zoo.loader.recipes import recipe_of, sources_for, store_for, whole_gguf
 from zoo.models.architectures import BY_MODEL_NAME, architecture
 from zoo.models.config import load_config
@@ -65,14 +67,26 @@ def without_vision(cfg):
     return dataclasses.replace(cfg, vision=None) if getattr(cfg, "vision", None) is not None else cfg
 
 
-def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = True):
+def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = True,
+                    mmproj: str | Path | None = None):
     """``(source, config, name map, tokenizer, storage function, format)`` for a resolved checkpoint
     directory or GGUF file under the recipe ``quant`` names for its architecture; ``vision=False``
-    leaves a multimodal checkpoint's vision tower out (its tensors are ignored)."""
+    leaves a multimodal checkpoint's vision tower out (its tensors are ignored).
+
+    A whole GGUF (a ``.gguf`` path, or a whole-GGUF recipe) gets its vision tower from a llama.cpp
+    mmproj file (``zoo.loader.mmproj``): ``mmproj`` when given, else the one ``mmproj*.gguf`` beside
+    the model GGUF (or, for a whole-GGUF recipe, in the checkpoint directory), if any
+    (``find_mmproj``); the config's ``vision`` then comes from the mmproj and the source joins both
+    files. ``vision=False`` ignores any mmproj."""
+    if mmproj is not None and not vision:
+        raise ValueError("mmproj= loads a vision tower; it cannot be combined with vision=False")
     if ckpt.suffix == ".gguf":
         gguf = GGUFSource(ckpt)
         store = store_for(quant, gguf_architecture(gguf), dtype, gguf=True)   # the recipe checked first
         source, cfg, name_map, tokenizer = open_gguf(gguf)   # config, names, vocab: from the file
+        mm = _mmproj_for(mmproj, vision, ckpt.parent)
+        if mm is not None:
+            source, cfg, name_map = with_mmproj(source, cfg, name_map, mm)
         return source, cfg, name_map, tokenizer, store, "gguf"
     cfg = load_config(ckpt)
     if not vision:
@@ -81,9 +95,16 @@ def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = Tr
     tokenizer = Tokenizer.from_dir(ckpt)
     gguf = whole_gguf(recipe, ckpt)
     if gguf is not None:                                     # the recipe is a whole GGUF in the directory
+        hf_vision = getattr(cfg, "vision", None)
         source, cfg, name_map, gguf_tokenizer = open_gguf(gguf)
+        mm = _mmproj_for(mmproj, vision, gguf.parent, ckpt)
+        if mm is not None:
+            source, cfg, name_map = with_mmproj(source, cfg, name_map, mm, base=hf_vision)
         store = store_for(None, cfg.arch, dtype, gguf=True)        # every tensor as stored
         return source, cfg, name_map, tokenizer or gguf_tokenizer, store, "gguf"
+    if mmproj is not None:
+        raise ValueError(f"mmproj= gives the vision tower of a GGUF model; {ckpt} loads from safetensors "
+                         f"(its tower, if any, from the checkpoint)")
     source = Fp8Dequantized(SafetensorsSource(ckpt))
     arch = architecture(cfg.arch)
     if not cfg.mtp_num_hidden_layers and has_tensors_for(source, arch.hf_name_map(cfg), "mtp."):
@@ -92,6 +113,16 @@ def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = Tr
         cfg = without_vision(cfg)           # a config naming a tower whose weights the checkpoint lacks
     source, name_map = sources_for(recipe, ckpt, cfg, source, arch.hf_name_map(cfg))   # recipes mixing in a GGUF
     return source, cfg, name_map, tokenizer, store_for(quant, cfg.arch, dtype), "safetensors"
+
+
+def _mmproj_for(mmproj, vision: bool, *directories: Path) -> Path | None:
+    """The mmproj file to load with a whole GGUF: ``mmproj`` itself, else the discovered one
+    (``zoo.loader.mmproj.find_mmproj`` over ``directories``); None with ``vision=False``."""
+    if not vision:
+        return None
+    if mmproj is not None:
+        return Path(mmproj).expanduser()
+    return find_mmproj(*directories)
 
 
 def check_recipe(name_or_path, quant: str | None) -> None:

@@ -42,6 +42,11 @@ Several choices (``n``): ``make_request(n=...)`` returns the first choice with t
 ``forks``; the prompt is prefilled once, its cache row copied into one row per choice, each choice
 sampling with its own seed stream from its first token on.
 
+Images (``zoo.serving.image_prefill``): a request's ``images`` fill its prompt's placeholder runs; at
+admission the tower runs once per image, each prefill piece takes its slice of the rows (and of
+Qwen's absolute M-RoPE positions; GLM's MTP layer the same rows), decoding is text. The prefix
+cache keys a prompt with images by ``Request.cache_tokens`` (placeholders replaced by content ids).
+
 Forced tokens: a request may have ids queued in ``Request.forcing`` (a thinking budget closing the
 reasoning, ``zoo.serving.thinking``); each step then emits the next of them for that row instead of
 sampling (speculative rows reject their drafts that step), and the model continues from it.
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -67,11 +73,12 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 from zoo.serving import speculative
 from zoo.serving.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
+from zoo.serving.image_prefill import ImagePrefill, cache_tokens, check_images, multimodal
 from zoo.serving.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token_logprobs, top_bucket
 from zoo.serving.masked_step import MaskedPrograms, pick_next
 from zoo.serving.prefix_cache import PrefixCache, Snapshot, token_strides
 from zoo.serving.prefix_rows import PrefixRows
-from zoo.serving.request import Generation, Request, fork_seed
+from zoo.serving.request import Generation, ImageInput, Request, fork_seed
 from zoo.serving.rows import default_memory_budget, embed, first_token, place
 from zoo.serving.sampling import flag_nonfinite, row_keys
 from zoo.serving.thinking import ThinkingBudget
@@ -133,6 +140,9 @@ class Generator:
         for name in ("_step_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_grow_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
         self._masked = MaskedPrograms(self._graphdef, self.k, getattr(model, "mesh", None))
+        self._images = ImagePrefill(model, self._graphdef, getattr(model, "mesh", None)) if multimodal(model) else None
+        mtp = getattr(model.module, "mtp_forward", None)
+        self._mtp_mm = mtp is not None and "mm" in inspect.signature(mtp).parameters   # GLM: MTP takes the rows
         self.vocab = int(model.config.vocab_size)           # the logits' width
         self._mask_words = mask_words(self.vocab)
         self._executor = None                               # llguidance's thread pool, made on first use
@@ -176,7 +186,8 @@ class Generator:
                   "step": jnp.zeros((rows,), jnp.int32)}
         return {"cache": cache, "carry": carry, "params": params}
 
-    def _prefill_impl(self, state, ids, mask, h_prev, next_ids, next_mask, cache, top_n: int | None = None):
+    def _prefill_impl(self, state, ids, mask, h_prev, next_ids, next_mask, cache, top_n: int | None = None,
+                      mm=None):
         """One prompt piece ``ids`` [1, C], right-padded (``mask``: its real tokens first), written at
         the cache's index; the index then advances by the real tokens only, so the row stays compact
         (slot s holds position s) and the next piece overwrites the padding. With spec, also the MTP
@@ -184,17 +195,19 @@ class Generator:
         [1, D] for the first, the previous piece's last hidden state) and sits in slot t, so the MTP
         slots of a block depend on that block's tokens only (the prefix cache shares them).
         Returns (logits [1, V] and hidden [1, D] at the last real token, cache), and with ``top_n``
-        the ``token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t)."""
+        the ``token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t).
+        ``mm``: the piece's image inputs (``ImagePrefill.piece``), None for text."""
         model = nnx.merge(self._graphdef, state)
         count = mask.sum(axis=1, dtype=jnp.int32)
         index, has_prev = cache.slots.index, cache.slots.pos > 0
-        logits, hidden, cache = model(ids, mask, cache)
+        logits, hidden, cache = model(ids, mask, cache) if mm is None else model(ids, mask, cache, mm=mm)
         cache = cache.replace(slots=cache.slots.replace(index=index + count))
         if self.k:
             mtp_index = cache.mtp.slots.index
             rows = mask & jnp.concatenate([has_prev[:, None], mask[:, :-1]], axis=1)
             h_in = jnp.concatenate([h_prev[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
-            _, _, cache = model.mtp_forward(h_in, ids, rows, cache)
+            mtp_mm = {} if mm is None or not self._mtp_mm else {"mm": mm._replace(positions=None)}
+            _, _, cache = model.mtp_forward(h_in, ids, rows, cache, **mtp_mm)   # row t embeds x_t: mm aligned
             cache = cache.replace(mtp=cache.mtp.replace(slots=cache.mtp.slots.replace(index=mtp_index + count)))
         last = jnp.maximum(count - 1, 0)
         logits_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
@@ -306,7 +319,15 @@ class Generator:
         prefill: its logits give the first token); none when it asks for the prompt's logprobs."""
         if self.prefix is None or req.prompt_logprobs is not None or len(req.prompt) < 2:
             return None
-        return self.prefix.lookup(self._rows_io.root, req.prompt, len(req.prompt) - 1)
+        return self.prefix.lookup(self._rows_io.root, self._key(req), len(req.prompt) - 1)
+
+    def _key(self, req: Request) -> list[int]:
+        """The prefix cache's key of ``req``'s prompt (``image_prefill.cache_tokens`` with images)."""
+        if not req.images:
+            return req.prompt
+        if req.cache_tokens is None:
+            req.cache_tokens = cache_tokens(req.prompt, req.images, self.model.config.image_token_id)
+        return req.cache_tokens
 
     def _try_admit(self, req: Request) -> bool:
         """Give ``req`` (and its forks) rows, growing the batch if needed and allowed, and prefill it;
@@ -378,6 +399,7 @@ class Generator:
         prompt_top = top_bucket([] if req.prompt_logprobs is None else [req.prompt_logprobs])
         scored = []                                   # per piece: logprobs of the token after each position
         prompt = np.asarray(req.prompt, np.int32)
+        images = None if not req.images else self._images.start(self._state, req, start)
         for a, e, w, snapshot in self._plan(start, n, req.cache_marks):
             ids = np.zeros((1, w), np.int32)
             mask = np.zeros((1, w), bool)
@@ -385,12 +407,13 @@ class Generator:
             ids[0, :e - a], mask[0, :e - a] = prompt[a:e], True
             nxt[0, :min(e, n - 1) - a] = prompt[a + 1:e + 1]
             nxt_mask = mask & (np.arange(a, a + w) < n - 1)[None]
-            out = self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, top_n=prompt_top)
+            mm = {} if images is None else {"mm": self._images.piece(images, a, e, w)}   # text: the same program
+            out = self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, top_n=prompt_top, **mm)
             logits, h_prev, cache = out[:3]
             if prompt_top is not None:
                 scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
             if self.prefix is not None and snapshot:
-                self._snapshot(req.prompt[:e], lambda c=cache, h=h_prev: (c, h if self.k else None))
+                self._snapshot(self._key(req)[:e], lambda c=cache, h=h_prev: (c, h if self.k else None))
         prompt_lps = None
         if prompt_top is not None:
             at_pos = {key: np.concatenate([s[key] for s in scored])[:n - 1] for key in scored[0]}
@@ -448,6 +471,7 @@ class Generator:
             n = getattr(req, name)
             if n is not None and not 0 <= n <= MAX_TOP:
                 raise ValueError(f"{name} must be in 0..{MAX_TOP}, got {n}")
+        check_images(self.model, req.prompt, req.images)      # a text-only model, runs not matching
 
     def cancel(self, req: Request) -> None:
         """Ask the engine to stop ``req`` (thread-safe); it finishes as "cancelled" at the next step
@@ -669,12 +693,10 @@ class Generator:
             r = self._rows.index(req)
             if self.prefix is not None and req.raw and req.finish_reason != "error":   # a failed row's state
                 try:                                                                     # may be broken
-                    consumed = (req.prompt + req.raw)[:len(req.prompt) + len(req.raw) - 1]   # the last is pending
+                    consumed = (self._key(req) + req.raw)[:len(req.prompt) + len(req.raw) - 1]   # last: pending
                     self._snapshot(consumed, lambda: self._rows_io.row(self._state, self._batch, jnp.int32(r)))
                 except Exception:
                     log.exception("caching a finished request's prefix failed; not cached")
-                consumed = (req.prompt + req.raw)[:len(req.prompt) + len(req.raw) - 1]   # the last is pending
-                self._snapshot(consumed, lambda: self._rows_io.row(self._state, self._batch, jnp.int32(r)))
             self._rows[r] = None
         now = time.perf_counter()
         req.stats.update(generated_tokens=len(req.tokens), seconds=now - req.stats.get("submitted", now))
@@ -692,7 +714,7 @@ class Generator:
                      thinking_budget: int | None = None, thinking_opened: bool = False,
                      logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
                      grammar: OutputGrammar | None = None, constraints: Sequence[Constraint] | None = None,
-                     cache_marks: Sequence[int] = ()) -> Request:
+                     cache_marks: Sequence[int] = (), images: Sequence[ImageInput] = ()) -> Request:
         """``thinking_budget``: reasoning tokens after which ``</think>`` is forced (see
         ``zoo.serving.thinking``); ``thinking_opened``: the prompt ends inside ``<think>``.
         ``logprobs`` / ``prompt_logprobs``: report log-probabilities of the generated / prompt tokens
@@ -700,7 +722,8 @@ class Generator:
         the prompt (the first is returned, the others in its ``forks``; choice i samples with
         ``fork_seed(seed, i)``). ``grammar``: constrain the output (a ``Constraint`` per choice is
         built from it), or ``constraints``: ready ones, one per choice. ``cache_marks``: prompt
-        positions where the prefix cache should keep a snapshot (the prompt's end always gets one)."""
+        positions where the prefix cache should keep a snapshot (the prompt's end always gets one).
+        ``images``: the prompt's images (``ImageInput``), each filling its run of placeholder ids."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         bad = [t for t in prompt if not 0 <= int(t) < self.vocab]
@@ -723,7 +746,7 @@ class Generator:
                                  int(top_k), fork_seed(int(seed), i), ids, strings, on_tokens, on_finish, on_admit,
                                  thinking, logprobs=logprobs, prompt_logprobs=prompt_logprobs, choice=i,
                                  constraint=None if constraints is None else constraints[i],
-                                 cache_marks=tuple(sorted(int(m) for m in cache_marks))))
+                                 cache_marks=tuple(sorted(int(m) for m in cache_marks)), images=tuple(images)))
         group[0].forks = group[1:]
         return group[0]
 

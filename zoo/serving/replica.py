@@ -76,6 +76,9 @@ class Channel:
 
 def request_args(prompt, kwargs: dict) -> dict:
     """The JSON-able arguments of a ``make_request`` call (callbacks dropped)."""
+    if kwargs.get("images"):              # the followers would prefill without them and drift from process 0
+        raise ValueError("images are not served over several processes yet: serve the model on one host "
+                         "for image requests")
     out = {"prompt": [int(t) for t in prompt]}
     for key in REPLAYED_ARGS:
         if key in kwargs:

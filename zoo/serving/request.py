@@ -1,5 +1,5 @@
-"""What one generation request is to the engine (``Request``), what it returns (``Generation``), and
-the seed of each of its choices (``fork_seed``).
+"""What one generation request is to the engine (``Request``), what it returns (``Generation``), its
+images (``ImageInput``) and the seed of each of its choices (``fork_seed``).
 
 A request that fails ends with ``finish_reason`` "error", ``stats["error"]`` (the message) and
 ``stats["error_status"]`` (400: it can never be served here, e.g. too large for the cache; 500: the
@@ -12,6 +12,8 @@ import collections
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from zoo.serving.constraint import Constraint
 from zoo.serving.logprobs import TokenLogprob
@@ -26,6 +28,17 @@ class Generation:
     stats: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None          # per token, if the request asked
     prompt_logprobs: list[TokenLogprob] | None = None   # per prompt token (the first: logprob None)
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt, preprocessed: the prompt holds, for each image in order, a run of exactly
+    ``n_tokens`` image-placeholder ids (``config.image_token_id``) that take the tower's rows."""
+
+    key: str                      # sha256 hex of the encoded image bytes (``zoo.images.image_key``)
+    patches: np.ndarray           # float32 [t*h*w, C*T*P*P] (``zoo.images.preprocess(...).pixel_values``)
+    grid: tuple[int, int, int]    # (t, h, w) in patches
+    n_tokens: int                 # placeholder tokens of this image in the prompt (t*h*w // merge**2)
 
 
 @dataclass(eq=False)
@@ -60,6 +73,9 @@ class Request:
     cache_marks: tuple = ()                # prompt positions worth a prefix-cache snapshot (cache_control)
     raw: list[int] = field(default_factory=list)   # every token the device emitted for this row, uncut
     prefix_hit: Snapshot | None = None     # the cached prefix this request starts from (set at admission)
+    images: tuple[ImageInput, ...] = ()    # the prompt's images, in order (``zoo.serving.image_prefill``)
+    cache_tokens: list[int] | None = None  # the prefix cache's key of the prompt: image placeholders
+                                           # replaced by ids of their image's content (set by the engine)
 
     def result(self) -> Generation:
         return Generation(list(self.tokens), self.finish_reason or "length", dict(self.stats),

@@ -102,7 +102,7 @@ def filled_groups(abstract, members: dict[str, list[str]], source, name_map, sto
 
 
 def build(name_or_path: str | Path, *, quant: str | None = None, dtype="bfloat16", root: str | Path,
-          progress: bool = True, vision: bool = True) -> Path:
+          progress: bool = True, vision: bool = True, mmproj=None) -> Path:
     """Write the cache entry of ``zoo.load(name_or_path, quant=quant, dtype=dtype)`` under ``root``,
     one parameter group in memory at a time (see the module doc); returns the entry's directory.
 
@@ -117,14 +117,14 @@ def build(name_or_path: str | Path, *, quant: str | None = None, dtype="bfloat16
     dtype_name = jnp.dtype(dtype_of(dtype)).name
     check_recipe(name_or_path, quant)
     ckpt = resolve(name_or_path)
-    source, cfg, name_map, tokenizer, storage, _ = open_checkpoint(ckpt, quant, dtype_name, vision)
+    source, cfg, name_map, tokenizer, storage, _ = open_checkpoint(ckpt, quant, dtype_name, vision, mmproj)
     model_class = architecture(cfg.arch).model_class()
     abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES.get(dtype_name) or jnp.dtype(dtype_name)))
     members: dict[str, list[str]] = {}
     for path, _ in nnx.to_flat_state(nnx.state(abstract)):
         dotted = ".".join(map(str, path))
         members.setdefault(store._group(dotted), []).append(dotted)
-    fp = store.request_fingerprint(name_or_path, quant, dtype_name, vision)
+    fp = store.request_fingerprint(name_or_path, quant, dtype_name, vision, mmproj)
     return store.write_entry(filled_groups(abstract, members, source, name_map, storage), root, fp,
                              store.entry_name(name_or_path, ckpt), cfg, tokenizer, total=len(members),
                              desc="zoo cache build", progress=progress)

@@ -116,8 +116,10 @@ def file_identity(path: Path) -> dict:
 
 def source_files(path: Path) -> list[Path]:
     """The files a load reads weights and config from (a checkpoint dir or a GGUF file/split set)."""
-    if path.is_file():
-        return sorted(path.parent.glob(_split_glob(path.name))) if "-of-" in path.name else [path]
+    if path.is_file():                     # a GGUF (split set) and the mmproj files beside it (zoo.loader.mmproj)
+        files = sorted(path.parent.glob(_split_glob(path.name))) if "-of-" in path.name else [path]
+        return files + sorted(f for f in path.parent.iterdir()
+                              if f.is_file() and f.name.lower().startswith("mmproj") and f.suffix.lower() == ".gguf")
     patterns = ("config.json", "*.safetensors", "*.gguf", "model.safetensors.index.json")
     return sorted({f for p in patterns for f in path.glob(p) if f.is_file()})
 
@@ -134,12 +136,15 @@ def fingerprint(model: str, quant: str | None, dtype: str, sources: list[dict] |
             "sources": sources}
 
 
-def request_fingerprint(name_or_path, quant, dtype: str, vision: bool = True) -> dict:
-    """The cache fingerprint of a load request; source identities where the sources are local."""
+def request_fingerprint(name_or_path, quant, dtype: str, vision: bool = True, mmproj=None) -> dict:
+    """The cache fingerprint of a load request; source identities where the sources are local (and
+    of an mmproj file given apart from them)."""
     path = Path(name_or_path).expanduser()
     if path.exists():
-        return fingerprint(f"path:{path.resolve().name}", quant, dtype,
-                           [file_identity(f) for f in source_files(path)], vision)
+        files = source_files(path)
+        if mmproj is not None and Path(mmproj).resolve() not in {f.resolve() for f in files}:
+            files.append(Path(mmproj))
+        return fingerprint(f"path:{path.resolve().name}", quant, dtype, [file_identity(f) for f in files], vision)
     spec = registry.get_spec(str(name_or_path))
     local = registry.local_checkpoint(spec)
     sources = None if local is None else [file_identity(f) for f in source_files(local)]

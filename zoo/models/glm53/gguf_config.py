@@ -71,3 +71,51 @@ def hf_fields(src: GGUFSource) -> dict[str, Any]:
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
     }
+
+
+# -- the vision tower from a llama.cpp mmproj (``zoo.loader.mmproj``) --------------------------------
+
+# ``clip.projector_type`` of the GLM-5.3 tower: "glm5v" (llama.cpp's Glm5NextVisionModel, PR #27773 and
+# the converter vendored in llama-cpp-python 0.3.36), "glm5next" (unsloth's branch and its published files)
+MMPROJ_PROJECTORS = ("glm5v", "glm5next")
+_ACTS = {"clip.use_silu": "silu", "clip.use_gelu": "gelu"}
+
+
+def mmproj_vision_fields(src: GGUFSource) -> dict[str, Any]:
+    """An mmproj's ``clip.*`` metadata and tensor shapes -> the HF ``vision_config`` fields it carries.
+
+    From shapes: ``in_channels`` and ``temporal_patch_size`` (the patch kernel's slices),
+    ``out_hidden_size`` (``mm.patch_merger.weight`` rows), ``projection_intermediate_size``
+    (``mm.gate.weight`` rows), ``attention_bias`` (``attn_qkv.bias`` present). ``swiglu_limit``:
+    ``clip.vision.swiglu_clamp`` or ``clip.vision.swiglu_limit`` (the two converters' keys). Not
+    carried: ``rope_theta`` (clip hard-codes 10000).
+    """
+    md = src.metadata
+    acts = [act for key, act in _ACTS.items() if md.get(key) is True]
+    if len(acts) != 1:
+        raise SourceError(f"{src.files[0]}: expected exactly one of clip.use_silu / clip.use_gelu set, "
+                          f"found {acts or 'none'}")
+    if "v.position_embd.weight" in src or "v.norm_embd.weight" in src:
+        raise SourceError(f"{src.files[0]}: a GLM-4V tower (learned position embedding / post-conv norm), "
+                          f"not GLM-5.3's")
+    slices = [k for k in src.keys() if k == "v.patch_embd.weight" or k.startswith("v.patch_embd.weight.")]
+    patch = src.info("v.patch_embd.weight").shape                   # [D, C, P, P] (one temporal slice)
+    limit = md.get("clip.vision.swiglu_clamp", md.get("clip.vision.swiglu_limit"))
+    fields = {
+        "depth": int(md["clip.vision.block_count"]),
+        "hidden_size": int(md["clip.vision.embedding_length"]),
+        "num_heads": int(md["clip.vision.attention.head_count"]),
+        "intermediate_size": int(md["clip.vision.feed_forward_length"]),
+        "hidden_act": acts[0],
+        "attention_bias": "v.blk.0.attn_qkv.bias" in src,
+        "in_channels": int(patch[1]),
+        "patch_size": int(md["clip.vision.patch_size"]),
+        "temporal_patch_size": len(slices),
+        "spatial_merge_size": int(md.get("clip.vision.spatial_merge_size", 2)),
+        "out_hidden_size": int(src.info("mm.patch_merger.weight").shape[0]),
+        "projection_intermediate_size": int(src.info("mm.gate.weight").shape[0]),
+        "rms_norm_eps": f32(md["clip.vision.attention.layer_norm_epsilon"]),
+    }
+    if limit is not None:
+        fields["swiglu_limit"] = f32(limit)
+    return fields

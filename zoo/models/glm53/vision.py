@@ -45,7 +45,7 @@ from zoo.models.config import ConfigError, rope_field
 from zoo.models.shared.inventory import Tensor
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param
 from zoo.ops.matmul import einsum
-from zoo.sources.names import HeadOrder, NameMap, Rule, Transform
+from zoo.sources.names import Combiner, HeadOrder, Join, NameMap, Rule, Transform
 
 Grid = tuple[tuple[int, int, int], ...]
 
@@ -358,15 +358,43 @@ def _head_order(cfg: VisionConfig) -> HeadOrder:
     return HeadOrder(axis=0, start=0, groups=cfg.num_heads, per_group=3, unit=cfg.head_dim)
 
 
+def _stack_frames(*parts: np.ndarray) -> np.ndarray:
+    return np.stack(parts, axis=2)
+
+
+def _stack_frames_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    if any(len(s) != 4 or s != shapes[0] for s in shapes):
+        raise ValueError(f"patch-embedding parts {shapes} are not equal [D, C, P, P] kernels")
+    d, c, p, q = shapes[0]
+    return (d, c, len(shapes), p, q)
+
+
+PATCH_FRAMES = Combiner(_stack_frames, _stack_frames_shape)
+"""llama.cpp's mmproj splits the Conv3d patch kernel ``[D, C, T, P, P]`` into T Conv2d kernels
+(``v.patch_embd.weight``, ``v.patch_embd.weight.1``, ...): stacked back on axis 2."""
+
+
+def gguf_patch_parts(cfg: VisionConfig) -> tuple[str, ...]:
+    """The mmproj names of the T temporal slices of the patch kernel (the converter writes two)."""
+    return ("v.patch_embd.weight",) + tuple(f"v.patch_embd.weight.{j}" for j in range(1, cfg.temporal_patch_size))
+
+
+def gguf_joins(cfg: VisionConfig) -> tuple[Join, ...]:
+    """The patch kernel's slices joined as ``v.patch_embd.frames.weight`` (``zoo.sources.views.joined``)."""
+    return (Join(r"v\.patch_embd\.weight", gguf_patch_parts(cfg), "v.patch_embd.frames.weight", PATCH_FRAMES),)
+
+
 def gguf_rules(cfg: VisionConfig, dst: str = "visual") -> list[Rule]:
-    """The tower's tensors in llama.cpp's mmproj (clip) names -> parameters under ``dst``: the names
-    the planner's inventory uses (``gguf_tensors``); stored layouts as in the HF checkpoint."""
+    """The tower's tensors in llama.cpp's mmproj (clip) names -> parameters under ``dst`` ("" for a
+    bare ``VisionTower``); the patch kernel through ``gguf_joins`` (its temporal slices stacked);
+    stored layouts as in the HF checkpoint."""
     blk, heads = r"v\.blk\.(?P<i>\d+)", _head_order(cfg)
-    b = rf"{dst}.blocks.\g<i>"
+    d = f"{dst}." if dst else ""
+    b = rf"{d}blocks.\g<i>"
     ffn = r"ffn_(?P<n>gate|up|down)"
     return [
-        Rule(r"v\.patch_embd\.weight", f"{dst}.patch_embed"),
-        Rule(r"v\.patch_embd\.bias", f"{dst}.patch_embed_bias"),
+        Rule(r"v\.patch_embd\.frames\.weight", f"{d}patch_embed"),
+        Rule(r"v\.patch_embd\.bias", f"{d}patch_embed_bias"),
         Rule(rf"{blk}\.ln1\.weight", rf"{b}.norm1.weight"),
         Rule(rf"{blk}\.ln2\.weight", rf"{b}.norm2.weight"),
         Rule(rf"{blk}\.attn_qkv\.weight", rf"{b}.attn.qkv.kernel", Transform("matmul", heads)),
@@ -376,23 +404,25 @@ def gguf_rules(cfg: VisionConfig, dst: str = "visual") -> list[Rule]:
         Rule(rf"{blk}\.attn_out\.bias", rf"{b}.attn.proj.bias"),
         Rule(rf"{blk}\.{ffn}\.weight", rf"{b}.mlp.\g<n>_proj.kernel", "matmul"),
         Rule(rf"{blk}\.{ffn}\.bias", rf"{b}.mlp.\g<n>_proj.bias"),
-        Rule(r"v\.post_ln\.weight", f"{dst}.post_layernorm.weight"),
-        Rule(r"mm\.patch_merger\.weight", f"{dst}.downsample"),
-        Rule(r"mm\.patch_merger\.bias", f"{dst}.downsample_bias"),
-        Rule(r"mm\.model\.fc\.weight", f"{dst}.merger.proj.kernel", "matmul"),
-        Rule(r"mm\.post_norm\.(?P<n>weight|bias)", rf"{dst}.merger.post_projection_norm.\g<n>"),
-        Rule(r"mm\.(?P<n>gate|up|down)\.weight", rf"{dst}.merger.mlp.\g<n>_proj.kernel", "matmul"),
+        Rule(r"v\.post_ln\.weight", f"{d}post_layernorm.weight"),
+        Rule(r"mm\.patch_merger\.weight", f"{d}downsample"),
+        Rule(r"mm\.patch_merger\.bias", f"{d}downsample_bias"),
+        Rule(r"mm\.model\.fc\.weight", f"{d}merger.proj.kernel", "matmul"),
+        Rule(r"mm\.post_norm\.(?P<n>weight|bias)", rf"{d}merger.post_projection_norm.\g<n>"),
+        Rule(r"mm\.(?P<n>gate|up|down)\.weight", rf"{d}merger.mlp.\g<n>_proj.kernel", "matmul"),
     ]
 
 
 def gguf_tensors(cfg: VisionConfig, cls: str = "vision") -> list[Tensor]:
-    """The tower's tensor inventory (``zoo.models.shared.inventory``) in ``gguf_rules``' names,
-    numpy-order shapes; the patch embedding and the downsample are convolutions the tower applies as
-    matmuls from their stored layouts (dense: ``matmul=False``)."""
+    """The tower's tensor inventory (``zoo.models.shared.inventory``) in llama.cpp's mmproj names
+    (the file's: the patch kernel as its T temporal slices ``[D, C, P, P]``), numpy-order shapes; the
+    patch embedding and the downsample are convolutions the tower applies as matmuls from their stored
+    layouts (dense: ``matmul=False``)."""
     d, o, hd, i_ = cfg.hidden_size, cfg.out_hidden_size, cfg.head_dim, cfg.intermediate_size
-    c, t, p, m = cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.spatial_merge_size
+    c, p, m = cfg.in_channels, cfg.patch_size, cfg.spatial_merge_size
     bias = cfg.attention_bias
-    out = [Tensor("v.patch_embd.weight", (d, c, t, p, p), cls, False), Tensor("v.patch_embd.bias", (d,), cls, False)]
+    out = [Tensor(name, (d, c, p, p), cls, False) for name in gguf_patch_parts(cfg)]
+    out.append(Tensor("v.patch_embd.bias", (d,), cls, False))
     for n in range(cfg.depth):
         b = f"v.blk.{n}."
         out += [Tensor(b + "ln1.weight", (d,), cls, False), Tensor(b + "ln2.weight", (d,), cls, False),

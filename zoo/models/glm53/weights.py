@@ -140,7 +140,7 @@ def _glm5next_gguf(num_hidden_layers: int, vision: vision_tower.VisionConfig | N
     mtp = rf"blk\.{num_hidden_layers}"
     return NameMap(
         ignore=(rf"{mtp}\.nextn\.(embed_tokens|shared_head_head)\.",),
-        joins=GLM5NEXT_JOINS,
+        joins=GLM5NEXT_JOINS + (() if vision is None else vision_tower.gguf_joins(vision)),
         rules=tuple(
             [Rule(r"token_embd\.weight", "embed_tokens.embedding"),
              Rule(r"output_norm\.weight", "norm.weight"),

@@ -47,3 +47,37 @@ def hf_fields(src: GGUFSource) -> dict[str, Any]:
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
     }
+
+
+# -- the vision tower from a llama.cpp mmproj (``zoo.loader.mmproj``) --------------------------------
+
+MMPROJ_PROJECTORS = ("qwen3vl_merger",)     # ``clip.projector_type`` of convert_hf_to_gguf's Qwen3-VL tower
+
+
+def mmproj_vision_fields(src: GGUFSource) -> dict[str, Any]:
+    """An mmproj's ``clip.*`` metadata and tensor shapes -> the HF ``vision_config`` fields it carries.
+
+    Not carried (they come from the text model's config, else transformers' defaults): ``hidden_act``
+    (the file only says "a GELU"), ``rope_theta``. The file's ``layer_norm_epsilon`` is the *text*
+    model's rms eps (the converter's choice); the tower's LayerNorms are fixed at 1e-6 in HF: ignored.
+    """
+    md = src.metadata
+    if any(md.get("clip.vision.is_deepstack_layers") or []) or any(k.startswith("v.deepstack.") for k in src.keys()):
+        raise SourceError(f"{src.files[0]}: a Qwen3-VL tower with deepstack mergers; only the qwen3_5 tower "
+                          f"(no deepstack) is supported")
+    if md.get("clip.use_gelu") is not True:
+        raise SourceError(f"{src.files[0]}: clip.use_gelu is not set; the qwen3_5 tower's MLP is a GELU")
+    slices = [k for k in src.keys() if k == "v.patch_embd.weight" or k.startswith("v.patch_embd.weight.")]
+    patch = src.info("v.patch_embd.weight").shape                   # [D, C, P, P] (one temporal slice)
+    return {
+        "depth": int(md["clip.vision.block_count"]),
+        "hidden_size": int(md["clip.vision.embedding_length"]),
+        "num_heads": int(md["clip.vision.attention.head_count"]),
+        "intermediate_size": int(md["clip.vision.feed_forward_length"]),
+        "in_channels": int(patch[1]),
+        "patch_size": int(md["clip.vision.patch_size"]),
+        "temporal_patch_size": len(slices),
+        "spatial_merge_size": int(md.get("clip.vision.spatial_merge_size", 2)),
+        "num_position_embeddings": int(src.info("v.position_embd.weight").shape[0]),
+        "out_hidden_size": int(src.info("mm.2.weight").shape[0]),
+    }

@@ -444,8 +444,8 @@ def gguf_vision_joins(cfg: VisionConfig) -> tuple[Join, ...]:
 def gguf_vision_rules(cfg: VisionConfig, dst: str = "visual") -> list[Rule]:
     """The tower in llama.cpp's mmproj names (``convert_hf_to_gguf``'s Qwen3-VL tower: ``v.*``, the
     merger's norm ``v.post_ln`` and its MLP ``mm.0`` / ``mm.2``) -> parameters under ``dst``; the
-    patch kernel through ``gguf_vision_joins``. Used by the inventory (the planner): zoo reads no
-    mmproj file."""
+    patch kernel through ``gguf_vision_joins``. Used by the inventory (the planner) and by the
+    mmproj loader (``zoo.loader.mmproj``; ``dst=""`` for a bare ``VisionTower``)."""
     d = f"{dst}." if dst else ""
     b, wb = r"v\.blk\.(?P<i>\d+)", r"(?P<p>weight|bias)"
     heads = qkv_heads(cfg)
