@@ -13,6 +13,7 @@ import pytest
 import zoo
 from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.serving.logprob_render import LogprobRenderer
+from zoo.serving.logprobs import TokenLogprob
 from zoo.serving.server import ServerThread, create_app
 
 KEY = "test-key"
@@ -238,3 +239,13 @@ def test_bad_logprob_requests_are_400(plain):
     for top in (-1, 21):
         with pytest.raises(openai.BadRequestError):
             c.responses.create(model="tiny", input="hi", include=["message.output_text.logprobs"], top_logprobs=top)
+
+
+def test_an_id_past_the_tokenizer_renders_as_an_empty_token(model):
+    """Checkpoints pad their embedding past the tokenizer's vocabulary; a padding id among the top
+    logprobs is rendered as an empty token with no bytes, not an error (a 500)."""
+    render = LogprobRenderer(model.tokenizer)
+    past = model.tokenizer.vocab_size + 3
+    assert render.piece(past) == ("", [])
+    assert render.chat([TokenLogprob(1, -0.5, ((past, -0.7),))])[0]["top_logprobs"][0] == \
+        {"token": "", "logprob": -0.7, "bytes": []}

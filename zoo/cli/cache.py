@@ -32,7 +32,7 @@ def _build(args) -> int:
     import zoo
     if args.mesh is not None:                  # the whole model, loaded (and saved) on the mesh
         model = zoo.load(args.model, quant=args.quant, dtype=args.dtype, mesh=args.mesh, cache=args.dir,
-                         vision=args.vision)
+                         vision=args.vision, mmproj=args.mmproj)
         info = model.load_info
         print(json.dumps({"cache_path": info.get("cache_path"), "source": info["source"], "seconds": info["seconds"]}))
         return 0
@@ -43,7 +43,7 @@ def _build(args) -> int:
     t0 = time.perf_counter()
     dtype = jnp.dtype(dtype_of(args.dtype)).name
     check_recipe(args.model, args.quant)
-    fp = store.request_fingerprint(args.model, args.quant, dtype, args.vision)
+    fp = store.request_fingerprint(args.model, args.quant, dtype, args.vision, args.mmproj)
     entry, reasons = store.find(fp, store.search_roots(args.dir))
     for why in reasons:
         print(f"[zoo] not using cache {why}; rebuilding", file=sys.stderr)
@@ -58,7 +58,8 @@ def _build(args) -> int:
         except store.CacheError as e:
             print(f"[zoo] not using cache: {e}; rebuilding", file=sys.stderr)
     t_build = time.perf_counter()
-    path = build(args.model, quant=args.quant, dtype=args.dtype, root=args.dir, vision=args.vision)
+    path = build(args.model, quant=args.quant, dtype=args.dtype, root=args.dir, vision=args.vision,
+                 mmproj=args.mmproj)
     done = time.perf_counter()
     print(json.dumps({"cache_path": str(path), "source": "source",
                       "seconds": {"find": t_build - t0, "build": done - t_build, "total": done - t0}}))
@@ -101,6 +102,7 @@ def add_commands(sub) -> None:
     b.add_argument("--dir", required=True)
     b.add_argument("--quant")
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    b.add_argument("--mmproj", default=None, metavar="FILE", help="a llama.cpp mmproj GGUF: the vision tower")
     b.add_argument("--no-vision", dest="vision", action="store_false",
                    help="leave a multimodal checkpoint's vision tower out")
     b.add_argument("--mesh", help="mesh layout name (tp, ep): load the whole model on that mesh and save it "

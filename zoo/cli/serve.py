@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 CONFIG_KEY = "zoo/serve/config"
-LOAD_ARGS = ("model", "quant", "dtype", "mesh", "mtp", "vision")
+LOAD_ARGS = ("model", "quant", "dtype", "mesh", "mtp", "vision", "mmproj")
 FAIL_GRACE_S = 2.0        # after a follower failed: time for the error to reach the clients before exiting
 EXIT_FOLLOWER_LOST = 3
 
@@ -55,6 +55,9 @@ def add_commands(sub) -> None:
     s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
     s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
     s.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
+    s.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="a llama.cpp multimodal projector GGUF: the vision tower of a model loaded from a GGUF "
+                        "(default: the only mmproj*.gguf beside it)")
     s.add_argument("--no-vision", dest="vision", action="store_false",
                    help="leave a multimodal checkpoint's vision tower out (text only; saves its memory)")
     s.add_argument("--cache", default=None, metavar="DIR",
@@ -90,6 +93,14 @@ def add_commands(sub) -> None:
                    help="on SIGTERM/SIGINT: new requests get 503, running ones may finish for S seconds "
                         "(default 30), the rest end with an error event, then the server exits 0 "
                         "(a second signal: at once)")
+    s.add_argument("--max-images", type=int, default=8, metavar="N",
+                   help="images one request may hold (default 8; more: 400)")
+    s.add_argument("--max-image-mb", type=_positive, default=20.0, metavar="M",
+                   help="largest encoded image in MiB (default 20; larger: 400)")
+    s.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs of requests (default: only inline data: URLs / base64)")
+    s.add_argument("--image-url-timeout", type=_positive, default=10.0, metavar="S",
+                   help="seconds one image URL fetch may take (default 10)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -169,6 +180,15 @@ def _engine_args(args) -> dict:
             "prefix_cache": args.prefix_cache_gb, "prefix_cache_host_gb": host_gb}
 
 
+def _image_policy(args):
+    from zoo.serving.vision_inputs import ImagePolicy
+
+    if args.max_images < 1:
+        raise SystemExit(f"zoo serve: --max-images must be >= 1, got {args.max_images}")
+    return ImagePolicy(max_images=args.max_images, max_bytes=int(args.max_image_mb * (1 << 20)),
+                       allow_urls=args.allow_image_urls, url_timeout_s=args.image_url_timeout)
+
+
 def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int:
     """Load, build the app and serve until SIGTERM / SIGINT (one process, or process 0 of several)."""
     sock = _bind(args)
@@ -182,7 +202,8 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
         key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
         t0 = time.perf_counter()
         model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp,
-                         cache=args.cache, vision=args.vision)
+                         cache=args.cache, vision=args.vision,
+                         mmproj=args.mmproj)
         name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
         app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], max_batch=engine["max_batch"],
                          prefill_chunk=engine["prefill_chunk"], max_queue=args.max_queue,
@@ -191,7 +212,7 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
                          thinking_budget=args.thinking_budget, prefix_cache_gb=engine["prefix_cache"],
                          prefix_cache_host_gb=engine["prefix_cache_host_gb"],
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout_s=args.body_timeout,
-                         replica=replica)
+                         replica=replica, image_policy=_image_policy(args))
         if on_ready is not None:
             on_ready(app)
         base = f"http://{_host(args)}:{sock.getsockname()[1]}"
@@ -268,7 +289,8 @@ def _follow(args) -> int:
         print(f"zoo serve: process {me} of {count} ({jax.local_device_count()} of {jax.device_count()} devices); "
               f"replaying process 0's engine, no HTTP here", file=sys.stderr, flush=True)
         model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp,
-                         cache=args.cache, vision=args.vision)
+                         cache=args.cache, vision=args.vision,
+                         mmproj=args.mmproj)
         follower = Follower(Generator(model, **config["engine"]), Channel(client))
         steps = follower.run()
     except Exception as e:

@@ -72,7 +72,7 @@ async def messages(request: Request):
     job = await service.start(prompt.ids, max_tokens=body.max_tokens, temperature=body.temperature,
                               top_p=body.top_p, top_k=body.top_k, seed=None, thinking_budget=budget,
                               thinking_opened=prompt.opens_reasoning, grammar=prompt.grammar,
-                              cache_marks=prompt.marks)
+                              cache_marks=prompt.marks, images=prompt.images)
     events = service.events(job, service.decoder(body.stop_sequences or []), prompt.parser,
                             prompt.initial, tick=None if body.stream else POLL_S)
     clipped = body.max_tokens > service.context - len(prompt.ids)

@@ -9,8 +9,11 @@ message and tool blocks (validated, nothing cached); ``thinking`` of type ``enab
 ``output_config.effort`` (the template's ``reasoning_effort``); ``context_management`` and
 ``metadata`` (validated, not applied); custom tools (``input_schema``; ``defer_loading`` tools stay
 out of the prompt until a ``tool_reference`` block names one); server tools (a ``type`` other
-than ``custom``: not run here, left out). Unknown fields are ignored; a malformed known field, or
-content this text-only server cannot take (images, documents), is a 400 naming it.
+than ``custom``: not run here, left out). Images (a model with a vision tower): ``image`` blocks in
+user turns and in tool results, ``source`` ``{"type": "base64", "media_type", "data"}`` or
+``{"type": "url", "url"}`` (where the server allows URLs; ``zoo.serving.vision_inputs``).
+Unknown fields are ignored; a malformed known field, or content this server cannot take
+(documents, images in assistant or system turns, images for a text-only model), is a 400 naming it.
 
 Validation (``zoo.serving.errors.Body``: strict types, so ``1.0`` or ``true`` is no integer):
 ``max_tokens`` 1..2**31-1, ``thinking.budget_tokens`` 1..2**31-1, ``top_k`` 0..2**31-1,
@@ -204,12 +207,29 @@ def _blocks(content: str | list[dict], where: str) -> list:
 
 
 def _unsupported(block, where: str, turn: str) -> ApiError:
+    if isinstance(block, ImageBlock) and block.type == "document":
+        return ApiError(400, f"{where}: document blocks are not supported (this server takes text and images)")
     if isinstance(block, ImageBlock):
-        return ApiError(400, f"{where}: {block.type} blocks are not supported (this server takes text only)")
+        return ApiError(400, f"{where}: image blocks are not supported in {turn} turns")
     return ApiError(400, f"{where}: {block.type!r} blocks are not supported in {turn} turns")
 
 
-def _tool_result_text(block: ToolResultBlock, where: str, referenced: list[str]) -> str:
+def _image(block: ImageBlock, where: str, turn: str, images) -> str:
+    """An ``image`` block: the text standing for it (``images`` collects its bytes or URL)."""
+    if block.type != "image":
+        raise _unsupported(block, where, turn)
+    if images is None:
+        raise ApiError(400, f"{where}: image blocks are not supported (this server takes text only)")
+    source = block.source
+    kind = source.get("type")
+    if kind == "base64":
+        return images.add_base64(source.get("media_type"), source.get("data"), f"{where}.source")
+    if kind == "url":
+        return images.add_url(source.get("url"), f"{where}.source.url")
+    raise ApiError(400, f"{where}.source.type: image sources of type {kind!r} are not supported (base64 or url)")
+
+
+def _tool_result_text(block: ToolResultBlock, where: str, referenced: list[str], images=None) -> str:
     """A tool result's content as text; a ``tool_reference`` block loads the tool it names (its
     definition joins the prompt's tools) and reads as a line saying so."""
     if block.content is None or isinstance(block.content, str):
@@ -222,20 +242,22 @@ def _tool_result_text(block: ToolResultBlock, where: str, referenced: list[str])
             out.append(f"Tool {b.tool_name} loaded.")
             loaded = True
         elif isinstance(b, ImageBlock):
-            raise _unsupported(b, f"{where}.content[{k}]", "tool result")
+            out.append(_image(b, f"{where}.content[{k}]", "tool result", images))
         else:
             out.append(b.text)
     return ("\n" if loaded else "").join(out)
 
 
-def _user_turn(blocks: list, where: str, referenced: list[str]) -> list[dict]:
-    """A user turn: its tool results (as "tool" messages), then its text."""
+def _user_turn(blocks: list, where: str, referenced: list[str], images=None) -> list[dict]:
+    """A user turn: its tool results (as "tool" messages), then its text (images in it)."""
     tools, text = [], []
     for j, b in enumerate(blocks):
         if isinstance(b, TextBlock):
             text.append(b.text)
+        elif isinstance(b, ImageBlock):
+            text.append(_image(b, f"{where}[{j}]", "user", images))
         elif isinstance(b, ToolResultBlock):
-            result = _tool_result_text(b, f"{where}[{j}]", referenced)
+            result = _tool_result_text(b, f"{where}[{j}]", referenced, images)
             tools.append({"role": "tool", "tool_call_id": b.tool_use_id,
                           "content": f"Error: {result}" if b.is_error else result})
         else:
@@ -265,9 +287,10 @@ def _text(blocks: list, where: str) -> str:
     return "".join(b.text for b in blocks)
 
 
-def template_messages(body: CountRequest) -> tuple[list[dict], str, list[str]]:
+def template_messages(body: CountRequest, images=None) -> tuple[list[dict], str, list[str]]:
     """Anthropic messages -> the chat templates' form; the trailing assistant text (a prefill); the
-    tools named by ``tool_reference`` blocks."""
+    tools named by ``tool_reference`` blocks. ``images`` (``vision_inputs.ImageParts``) collects the
+    image blocks of user turns and tool results (None: they are a 400)."""
     system = body.system
     out = [{"role": "system", "content": system if isinstance(system, str) else "".join(b.text for b in system)}
            ] if system else []
@@ -286,7 +309,7 @@ def template_messages(body: CountRequest) -> tuple[list[dict], str, list[str]]:
         elif final_assistant:
             prefill = _text([b for b in blocks if not isinstance(b, (ThinkingBlock, RedactedThinkingBlock))], where)
         elif m.role == "user":
-            out += _user_turn(blocks, where, referenced)
+            out += _user_turn(blocks, where, referenced, images)
         else:
             out.append(_assistant_turn(blocks, where))
     return fold_system_messages(out), prefill, referenced
@@ -328,8 +351,9 @@ def cache_marks(body: CountRequest) -> list[str]:
 
 
 def render_prompt(service, body: CountRequest) -> ChatPrompt:
-    """The request as prompt tokens and an output parser (``Service.chat_prompt``)."""
-    messages, prefill, referenced = template_messages(body)
+    """The request as prompt tokens (image tokens included) and an output parser (``Service.chat_prompt``)."""
+    images = service.image_parts()
+    messages, prefill, referenced = template_messages(body, images)
     tools = template_tools(body, referenced)
     choice, name = "auto", None
     if body.tool_choice is not None:
@@ -349,4 +373,4 @@ def render_prompt(service, body: CountRequest) -> ChatPrompt:
     effort = reasoning_effort(body)
     return service.chat_prompt(messages, tools=tools or None, tool_choice=choice, tool_name=name,
                                thinking=thinking, template_kwargs={"reasoning_effort": effort} if effort else {},
-                               prefill=prefill, output=output, marks=cache_marks(body))
+                               prefill=prefill, output=output, marks=cache_marks(body), images=images)

@@ -34,6 +34,7 @@ from zoo.serving.logprobs import TokenLogprob
 from zoo.serving.reasoning import CLOSE, OPEN, Reasoning, ReasoningParser, Text, partial_suffix, prompt_opens_reasoning
 from zoo.serving.structured import marker_tokens, strict_tools, tool_output
 from zoo.serving.tool_parsers import CALL_OPEN, PARSERS, ToolCallArgs, ToolCallStart, ToolParser, call_prefix
+from zoo.serving.vision_inputs import ImageParts, ImagePolicy, VisionInputs
 
 # special tokens that are text to the parsers; every other special token is hidden from the output
 KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))
@@ -149,10 +150,15 @@ def coalesce(events: list) -> list:
 TEXT_PARTS = ("text", "input_text", "output_text", "summary_text", "reasoning_text")
 
 
-def content_text(content, where: str) -> str:
+IMAGE_PARTS = ("image_url", "input_image")
+
+
+def content_text(content, where: str, images=None) -> str:
     """Message (or tool output) content, a string or a list of text parts (OpenAI chat ``text``,
-    Responses ``input_text`` / ``output_text`` / summaries, ``refusal``), as text; any other part is
-    a 400 naming it (this server takes text only)."""
+    Responses ``input_text`` / ``output_text`` / summaries, ``refusal``), as text. Image parts (chat
+    ``image_url`` as ``{"url": ...}`` or a string, Responses ``input_image`` with ``image_url``)
+    go to ``images`` (a ``vision_inputs.ImageParts``) and read as the text standing for them; where
+    ``images`` is None (not a user turn) they are a 400, as is any other part."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -164,12 +170,32 @@ def content_text(content, where: str) -> str:
             out.append(str(part.get("text", "")))
         elif kind == "refusal":
             out.append(str(part.get("refusal", "")))
-        elif kind in ("input_image", "input_file", "input_audio", "image_url", "file"):
-            raise ApiError(400, f"{where}[{k}]: {kind} parts are not supported (this server takes text only)",
+        elif kind in IMAGE_PARTS and images is not None:
+            out.append(_image_part(part, kind, f"{where}[{k}]", images))
+        elif kind in IMAGE_PARTS:
+            raise ApiError(400, f"{where}[{k}]: {kind} parts are not supported here (images are taken in user "
+                                "messages, by a model with a vision tower)", param=where)
+        elif kind in ("input_file", "input_audio", "file"):
+            raise ApiError(400, f"{where}[{k}]: {kind} parts are not supported (this server takes text and images)",
                            param=where)
         else:
             raise ApiError(400, f"{where}[{k}]: unknown content part type {kind!r}", param=where)
     return "".join(out)
+
+
+def _image_part(part: dict, kind: str, where: str, images) -> str:
+    if kind == "input_image" and part.get("file_id") is not None and part.get("image_url") is None:
+        raise ApiError(400, f"{where}.file_id: images by file_id are not supported (no Files API here); send "
+                            "image_url as a data: URL", param=where)
+    url = part.get("image_url")
+    if kind == "image_url" and isinstance(url, dict):
+        url = url.get("url")
+        where += ".image_url.url"
+    else:
+        where += ".image_url"
+    if url is None:
+        raise ApiError(400, f"{where}: missing (expected the image's URL)", param=where)
+    return images.add_url(url, where)
 
 
 def fold_system_messages(messages: list[dict]) -> list[dict]:
@@ -218,6 +244,7 @@ class ChatPrompt:
     grammar: OutputGrammar | None = None
     new_parser: Callable[[], tuple[OutputParser, list]] | None = None   # (parser, initial) for another choice
     marks: tuple[int, ...] = ()        # token positions where the prefix cache should keep a snapshot
+    images: tuple = ()                 # the engine's ImageInput per image, in prompt order
 
     def parsers(self, n: int) -> list[tuple[OutputParser, list]]:
         """(parser, initial events) for each of ``n`` choices."""
@@ -235,6 +262,8 @@ class Service:
     default_max_tokens: int
     keepalive_s: float
     thinking_budget: int | None = None   # reasoning tokens before "</think>" is forced (None: unlimited)
+    vision: VisionInputs | None = None   # the model's image handling (None: text only)
+    image_policy: ImagePolicy = dataclasses.field(default_factory=ImagePolicy)
 
     def __post_init__(self):
         self._hidden = frozenset(i for i, t in self.tokenizer.special_tokens().items() if t not in KEEP)
@@ -259,6 +288,21 @@ class Service:
                                 f"{self.context} tokens can hold (a token spans at most {per_token} characters)",
                            code="context_length_exceeded")
 
+    def image_parts(self) -> ImageParts:
+        """A collector for one request's images (a text-only model refuses the first one)."""
+        return ImageParts(self.vision, self.image_policy)
+
+    def with_images(self, ids: list[int], images: ImageParts | None,
+                    marks: Sequence[int] = ()) -> tuple[list[int], tuple[int, ...], list]:
+        """Prompt ids (of a text in which ``images.substitute`` put the placeholders) with each
+        image's pad run at full length, the marks moved, and the ``ImageInput``s (decoded and
+        preprocessed here). A text-only model: the ids as they are."""
+        if self.vision is None:
+            return ids, tuple(marks), []
+        prepared = self.vision.prepare(images.order, images.policy) if images else []
+        ids, marks = self.vision.expand(ids, prepared, marks)
+        return ids, marks, prepared
+
     def decoder(self, stop: list[str] = ()) -> TextDecoder:
         """A detokenizer for one request's output, ending the text at any of ``stop``."""
         return TextDecoder(self.tokenizer, self._hidden, stop)
@@ -267,7 +311,8 @@ class Service:
     def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice: str = "auto",
                     tool_name: str | None = None, thinking: bool | None = None,
                     template_kwargs: dict | None = None, prefill: str = "", output: str | None = None,
-                    parallel_calls: bool = True, marks: Sequence[str] = ()) -> ChatPrompt:
+                    parallel_calls: bool = True, marks: Sequence[str] = (),
+                    images: ImageParts | None = None) -> ChatPrompt:
         """Render ``messages`` (HF form) with the chat template.
 
         tool_choice: "auto", "none" (tools left out of the prompt, no parsing), "required" or
@@ -278,6 +323,8 @@ class Service:
         ``parallel_calls`` False: a forced call is the only one (the grammar ends after it).
         ``marks``: texts of the messages (in order) after which the prefix cache should keep a
         snapshot (Anthropic ``cache_control``); each becomes the token position where it ends.
+        ``images``: the request's images, whose sentinels the messages' text holds
+        (``vision_inputs``): each becomes the model's placeholder, expanded to its tokens.
 
         The output grammar: a forced call follows the tools' grammar; else ``output`` if given, else,
         when every tool is ``strict``, each call the model opens. It applies after the reasoning
@@ -292,6 +339,8 @@ class Service:
                                                       add_generation_prompt=True, **kwargs)
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise ApiError(400, f"the chat template rejected the messages: {e}") from None
+        if images:
+            text = images.substitute(text)
         in_reasoning = prompt_opens_reasoning(text)
         forced = ""
         if use_tools and tool_choice in ("required", "function"):
@@ -328,8 +377,9 @@ class Service:
         parser, initial = new_parser()
         self.check_prompt_chars(text + close + prefill + forced)
         ids, ends = self.tokenizer.encode_with_ends(text + close + prefill + forced)
+        ids, token_marks, prepared = self.with_images(ids, images, _token_marks(text, ends, marks))
         return ChatPrompt(ids, parser, initial, opens_reasoning=opens, grammar=grammar, new_parser=new_parser,
-                          marks=_token_marks(text, ends, marks))
+                          marks=token_marks, images=tuple(prepared))
 
     # -- generation -------------------------------------------------------------------------------
     async def start(self, ids: list[int], **kwargs) -> Job:
@@ -340,14 +390,16 @@ class Service:
                             top_k: int, seed: int | None, thinking_budget: int | None = None,
                             thinking_opened: bool = False, logprobs: int | None = None,
                             prompt_logprobs: int | None = None, n: int = 1,
-                            grammar: OutputGrammar | None = None, cache_marks: Sequence[int] = ()) -> list[Job]:
+                            grammar: OutputGrammar | None = None, cache_marks: Sequence[int] = (),
+                            images: Sequence = ()) -> list[Job]:
         """Submit a request and wait until it is admitted (429 / 503 from the queue; 400 if the
         engine can never fit it). ``thinking_budget``: reasoning tokens after which ``</think>`` is
         forced (``thinking_opened``: the prompt ends inside ``<think>``). ``logprobs`` /
         ``prompt_logprobs``: alternatives per generated / prompt token (None: no logprobs);
         ``max_tokens`` 0 (prompt logprobs only) needs ``prompt_logprobs``. ``n``: choices, the prompt
         prefilled once (a job each); ``grammar``: the output's (a matcher per choice, compiled here
-        in a worker thread); ``cache_marks``: prompt positions worth a prefix-cache snapshot."""
+        in a worker thread); ``cache_marks``: prompt positions worth a prefix-cache snapshot;
+        ``images``: the prompt's ``ImageInput``s (``ChatPrompt.images``), in prompt order."""
         if len(ids) >= self.context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
@@ -372,7 +424,7 @@ class Service:
                                               thinking_budget=thinking_budget, thinking_opened=thinking_opened,
                                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
                                               constraints=constraints, grammar=grammar,
-                                              cache_marks=tuple(cache_marks))
+                                              cache_marks=tuple(cache_marks), images=tuple(images))
         except ValueError as e:                  # the engine's own checks of a request
             raise ApiError(400, str(e)) from None
         try:

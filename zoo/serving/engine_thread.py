@@ -231,10 +231,11 @@ class EngineThread:
     def submit_choices(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
                        top_k: int, seed: int, thinking_budget: int | None = None, thinking_opened: bool = False,
                        logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
-                       constraints=None, grammar=None, cache_marks: tuple = ()) -> list[Job]:
+                       constraints=None, grammar=None, cache_marks: tuple = (), images: tuple = ()) -> list[Job]:
         """``submit`` with ``n`` choices of one prompt (prefilled once; ``Generator.make_request``),
         a job each; ``constraints``: a ``Constraint`` per choice, built from ``grammar`` (an
-        ``OutputGrammar``; a replicated engine sends it to the other processes)."""
+        ``OutputGrammar``; a replicated engine sends it to the other processes); ``images``: the
+        prompt's ``ImageInput``s in order (passed on only when there are some)."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if not self.alive:
@@ -242,11 +243,17 @@ class EngineThread:
         if self._waiting >= self.max_queue:
             raise ApiError(429, f"too many requests waiting ({self._waiting}); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
-        first = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                            top_p=top_p, top_k=top_k, seed=seed, thinking_budget=thinking_budget,
-                                            thinking_opened=thinking_opened, logprobs=logprobs,
-                                            prompt_logprobs=prompt_logprobs, n=n, constraints=constraints,
-                                            grammar=grammar, cache_marks=cache_marks)
+        extra = {"images": tuple(images)} if images else {}
+        try:
+            first = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                top_p=top_p, top_k=top_k, seed=seed, thinking_budget=thinking_budget,
+                                                thinking_opened=thinking_opened, logprobs=logprobs,
+                                                prompt_logprobs=prompt_logprobs, n=n, constraints=constraints,
+                                                grammar=grammar, cache_marks=cache_marks, **extra)
+        except TypeError as e:
+            if images and "images" in str(e):
+                raise ApiError(501, "this server's engine does not take images") from None
+            raise
         jobs = []
         for req in [first] + first.forks:
             job = Job(self, asyncio.get_running_loop())

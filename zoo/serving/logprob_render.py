@@ -22,9 +22,13 @@ class LogprobRenderer:
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def piece(self, token_id: int) -> tuple[str, list[int]]:
-        """(token string, its bytes as integers)."""
+        """(token string, its bytes as integers); an id past the tokenizer's vocabulary (a checkpoint
+        pads its embedding rows beyond it) is the empty string with no bytes."""
         if token_id not in self._cache:
-            raw = self._tok.token_bytes(token_id)
+            try:
+                raw = self._tok.token_bytes(token_id)
+            except ValueError:              # a padding row of the embedding: no text
+                raw = b""
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:

@@ -22,6 +22,11 @@ the engine does not implement are accepted at their neutral value only, else a 4
 ``logit_bias`` (token-id keys, -100..100; empty), ``best_of`` (equal to ``n``). A tool's
 ``function.parameters`` must be a valid JSON Schema, its ``name`` match ``^[a-zA-Z0-9_-]{1,64}$``.
 Every 400 names the field.
+
+Images (a model with a vision tower): user messages' content may hold ``{"type": "image_url",
+"image_url": {"url": ...}}`` (or ``"image_url": "..."``), a ``data:image/...;base64,`` URL, or an
+http(s) URL where the server allows them (``zoo.serving.vision_inputs``); ``usage.prompt_tokens``
+counts the image tokens.
 """
 
 from __future__ import annotations
@@ -189,15 +194,16 @@ def _stops(stop) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI messages -> the chat templates' form (tool-call arguments as dicts)."""
+def template_messages(messages: list[dict], images=None) -> list[dict]:
+    """OpenAI messages -> the chat templates' form (tool-call arguments as dicts). ``images``
+    (``vision_inputs.ImageParts``): collects the image parts of user messages (None: they are a 400)."""
     out = []
     for i, m in enumerate(messages):
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise ApiError(400, f"messages[{i}].role: unknown role {role!r}", param=f"messages[{i}].role")
         msg = {"role": "system" if role == "developer" else role,
-               "content": content_text(m.get("content"), f"messages[{i}].content")}
+               "content": content_text(m.get("content"), f"messages[{i}].content", images if role == "user" else None)}
         for name in ("reasoning_content", "tool_call_id", "name"):
             if m.get(name) is not None and not isinstance(m[name], str):
                 raise ApiError(400, f"messages[{i}].{name}: expected a string", param=f"messages[{i}].{name}")
@@ -295,15 +301,19 @@ async def chat_completions(request: Request):
     if body.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    # rendering and tokenizing a long prompt takes a while: in a worker thread, not on the event loop
-    prompt = await run_in_threadpool(service.chat_prompt, template_messages(body.messages), tools=tools,
-                                     tool_choice=choice, tool_name=name, thinking=thinking,
-                                     template_kwargs=kwargs, output=output, parallel_calls=body.parallel_tool_calls)
+    images = service.image_parts()
+
+    def render():
+        return service.chat_prompt(template_messages(body.messages, images), tools=tools, tool_choice=choice,
+                                   tool_name=name, thinking=thinking, template_kwargs=kwargs, output=output,
+                                   parallel_calls=body.parallel_tool_calls, images=images)
+    # rendering, tokenizing a long prompt and decoding images take a while: in a worker thread
+    prompt = await run_in_threadpool(render)
     jobs = await service.start_choices(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                        seed=body.seed, thinking_budget=body.thinking_budget,
                                        thinking_opened=prompt.opens_reasoning, logprobs=logprobs, n=body.n,
-                                       grammar=prompt.grammar)
+                                       grammar=prompt.grammar, images=prompt.images)
     streams = [service.events(job, service.decoder(_stops(body.stop)), parser, initial,
                               tick=None if body.stream else POLL_S)
                for job, (parser, initial) in zip(jobs, prompt.parsers(body.n))]

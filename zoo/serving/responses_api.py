@@ -271,12 +271,13 @@ def _render(service, body: ResponsesRequest, prior: list[dict]):
     choice, name = tool_choice(body, tools)
     effort = body.reasoning.effort if body.reasoning is not None else None
     thinking = None if effort is None else effort not in EFFORT_OFF
-    messages = template_messages(body.instructions, prior + input_items(body))
+    images = service.image_parts()
+    messages = template_messages(body.instructions, prior + input_items(body), images=images)
     fmt = body.text.format if body.text is not None else None
     output = None if fmt is None else response_format_grammar(fmt.model_dump(), "text.format")
     prompt = service.chat_prompt(messages, tools=tools or None, tool_choice=choice, tool_name=name,
                                  thinking=thinking, template_kwargs={"reasoning_effort": effort} if effort else {},
-                                 output=output, parallel_calls=body.parallel_tool_calls)
+                                 output=output, parallel_calls=body.parallel_tool_calls, images=images)
     return prompt, namespaces
 
 
@@ -297,7 +298,7 @@ async def create_response(request: Request):
     logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or []) else None
     job = await service.start(prompt.ids, max_tokens=body.max_output_tokens, temperature=body.temperature,
                               top_p=body.top_p, top_k=0, seed=None, thinking_opened=prompt.opens_reasoning,
-                              logprobs=logprobs, grammar=prompt.grammar)
+                              logprobs=logprobs, grammar=prompt.grammar, images=prompt.images)
     events = service.events(job, service.decoder(), prompt.parser, prompt.initial,
                             tick=None if body.stream else POLL_S)
     builder = OutputBuilder(_response_object(body, service.model_name), summary=body.summary, namespaces=namespaces,

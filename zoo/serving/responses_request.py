@@ -4,9 +4,11 @@ prompt, as Codex CLI and the ``openai`` SDK send it.
     instructions                 the leading system message (not carried over by previous_response_id)
     input                        a string (one user message) or items:
       message                    role developer / system (system text, ``chat.fold_system_messages``),
-                                 user, assistant; content a string or input_text / output_text parts
+                                 user, assistant; content a string or input_text / output_text parts;
+                                 a user message also input_image parts (``image_url``: a data: URL,
+                                 or http(s) where the server allows it; ``file_id``: a 400)
       function_call              an assistant tool call (``arguments``: a JSON object as a string)
-      function_call_output       a tool result
+      function_call_output       a tool result (its output may hold input_image parts too)
       reasoning                  the reasoning of the assistant turn that follows it (its
                                  reasoning_text content, else its summary)
     tools                        function tools, and the function tools of ``namespace`` tools (a
@@ -19,8 +21,8 @@ prompt, as Codex CLI and the ``openai`` SDK send it.
     include ("message.output_text.logprobs": logprobs, ``top_logprobs`` alternatives each; other
     values are ignored), top_logprobs, prompt_cache_key, metadata, text (format "text" only)
 
-Unknown fields are ignored; a malformed known field, an unknown item type, or content this
-text-only server cannot take (images, files, audio) is a 400 naming it. Known fields are strict
+Unknown fields are ignored; a malformed known field, an unknown item type, or content this server
+cannot take (files, audio; images for a text-only model) is a 400 naming it. Known fields are strict
 (``zoo.serving.errors.Body``: ``1.0`` or ``true`` is no integer) and bounded: ``max_output_tokens``
 1..2**31-1, ``top_logprobs`` 0..20, ``temperature`` 0..2, ``top_p`` (0, 1]; a function tool's
 ``parameters`` must be a valid JSON Schema (the 400 names the tool), a tool's ``name`` match
@@ -205,8 +207,10 @@ def _reasoning_text(item: dict, where: str) -> str:
     return content or "\n".join(_text([s], f"{where}.summary") for s in summary)
 
 
-def template_messages(instructions: str | None, items: list[dict], where: str = "input") -> list[dict]:
-    """Instructions and input items -> the chat templates' form (see the module doc)."""
+def template_messages(instructions: str | None, items: list[dict], where: str = "input", images=None) -> list[dict]:
+    """Instructions and input items -> the chat templates' form (see the module doc). ``images``
+    (``vision_inputs.ImageParts``) collects the input_image parts of user messages and tool outputs
+    (None: they are a 400)."""
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     reasoning = ""                       # the reasoning of the assistant turn to come
 
@@ -227,7 +231,7 @@ def template_messages(instructions: str | None, items: list[dict], where: str = 
             role = item.get("role")
             if role not in ("developer", "system", "user", "assistant"):
                 raise ApiError(400, f"{at}.role: unknown role {role!r}", param=f"{at}.role")
-            text = _text(item.get("content"), f"{at}.content")
+            text = _text(item.get("content"), f"{at}.content", images if role == "user" else None)
             if role == "assistant":
                 assistant()["content"] = text
             else:
@@ -242,7 +246,7 @@ def template_messages(instructions: str | None, items: list[dict], where: str = 
             if not _nonempty_str(item.get("call_id")):
                 raise ApiError(400, f"{at}: a function_call_output needs 'call_id' (a string)", param=at)
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text(item.get("output"), f"{at}.output")})
+                        "content": _text(item.get("output"), f"{at}.output", images)})
         elif kind == "reasoning":
             reasoning += _reasoning_text(item, at)
         else:

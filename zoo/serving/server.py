@@ -32,6 +32,7 @@ from zoo.serving.generator import PREFILL_CHUNK, Generator
 from zoo.serving.metrics import CountRequests, Metrics
 from zoo.serving.tool_parsers import PARSERS, detect_format
 from zoo.serving.transport import BodyLimit, DrainingServer, bind, error_response
+from zoo.serving.vision_inputs import ImagePolicy, VisionInputs
 
 log = logging.getLogger("zoo.serve")
 
@@ -63,7 +64,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
                memory_budget: int | None = None, thinking_budget: int | None = None,
                prefix_cache_gb: float | None = None, prefix_cache_host_gb: float | None = None,
                max_body_bytes: int = transport.MAX_BODY_BYTES,
-               body_timeout_s: float | None = transport.BODY_TIMEOUT_S, replica=None) -> FastAPI:
+               body_timeout_s: float | None = transport.BODY_TIMEOUT_S, replica=None,
+               image_policy: ImagePolicy | None = None) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
@@ -79,7 +81,9 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     max_body_bytes: a larger request body gets 413 (in the API's error schema); body_timeout_s: a
     request body that sends nothing for this long gets 408 (None: no limit). replica: for process 0
     of a multi-process job, builds the engine the server drives from the ``Generator``
-    (``zoo.serving.replica.Leader``). The engine is ``app.state.service.engine``; ``serve`` drains it
+    (``zoo.serving.replica.Leader``). image_policy: the limits on images in requests
+    (``zoo.serving.vision_inputs.ImagePolicy``; None: its defaults) for a model with a vision tower;
+    a text-only model answers an image with 400. The engine is ``app.state.service.engine``; ``serve`` drains it
     on SIGTERM.
     """
     if thinking_budget is not None and thinking_budget < 1:
@@ -90,6 +94,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
         tool_format = detect_format(getattr(model.config, "arch", None), model.tokenizer.chat_template)
     elif tool_format is not None and tool_format not in PARSERS:
         raise ValueError(f"unknown tool format {tool_format!r}; use one of {sorted(PARSERS)}, 'auto' or None")
+    image_policy = image_policy or ImagePolicy()
+    vision = VisionInputs.from_model(model, image_policy)        # None: text only
     generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget,
                           prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
                           prefix_cache_host_gb=prefix_cache_host_gb)
@@ -102,12 +108,13 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
     service = Service(engine, model.tokenizer, name, tool_format, context, default_max_tokens, keepalive_s,
-                      thinking_budget)
+                      thinking_budget, vision=vision, image_policy=image_policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log.info("serving %s (tool format %s, max batch %d, spec %d)", name, tool_format, max_batch, spec_tokens)
+        log.info("serving %s (tool format %s, max batch %d, spec %d, %s)", name, tool_format, max_batch, spec_tokens,
+                 "text only" if vision is None else f"images: {vision.spec.family}")
         yield
         engine.stop()
 

@@ -7,7 +7,8 @@
                  (``return_token_strs``: each token's string, as in logprobs)
     /detokenize  {"model", "tokens": [int]} -> {"prompt": str}
 
-Exactly one of ``prompt`` and ``messages``; a token id outside the vocabulary is a 400 naming it.
+Images in ``messages`` (as in chat completions) count their tokens: the ids hold each image's run
+of placeholder tokens. Exactly one of ``prompt`` and ``messages``; a token id outside the vocabulary is a 400 naming it.
 Fields are strict (``zoo.serving.errors.Body``: a number is no string, ``true`` no token id); a
 token id must be 0..2**31-1 before the vocabulary is checked; a tool's ``function.parameters``
 must be a valid JSON Schema.
@@ -51,15 +52,20 @@ def _token_ids(service, body: TokenizeRequest) -> list[int]:
     if not body.messages:
         raise ApiError(400, "messages: empty", param="messages")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    images = service.image_parts()
+    messages = template_messages(body.messages, images)
     try:
-        text = tok.apply_chat_template(template_messages(body.messages), tools=tools,
+        text = tok.apply_chat_template(messages, tools=tools,
                                        add_generation_prompt=body.add_generation_prompt,
                                        **(body.chat_template_kwargs or {}))
     except ApiError:
         raise
     except Exception as e:                  # a template's own error (raise_exception), a missing template
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    if images:
+        text = images.substitute(text)
+    ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    return service.with_images(ids, images)[0]
 
 
 @router.post("/tokenize")
