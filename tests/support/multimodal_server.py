@@ -129,3 +129,50 @@ def reference_greedy(model, ids: list[int], images: list[tuple[np.ndarray, tuple
         logits, cache = text(state, jnp.asarray([[out[-1]]]), jnp.ones((1, 1), bool), cache)
         out.append(int(np.argmax(np.asarray(logits)[0, 0])))
     return out
+
+
+GLM_SPECIAL = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
+               "<|video|>")
+GLM_VOCAB = 518              # the embedded GLM tokenizer (512) + 6
+GLM_PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                    "image_std": [0.5, 0.5, 0.5], "min_image_tokens": 4, "max_image_tokens": 64,
+                    "image_processor_type": "Glm5NextImageProcessor"}
+
+
+def write_glm_checkpoint(path: Path) -> Path:
+    """The GLM-5.3 counterpart of ``write_checkpoint``: the ``glm53-tiny`` text model (vocabulary 518,
+    no MTP layer) + a 2-block GLM tower (patch 4, temporal 2, merge 2) written by transformers'
+    ``Glm5NextForConditionalGeneration``; the embedded tokenizer plus ``<|begin_of_image|>``,
+    ``<|image|>``, ``<|end_of_image|>`` and the video tokens (ids 512..517, the config's ids), its chat
+    template, and a GLM ``preprocessor_config.json`` (4..64 image tokens: a 40x56 image is 35)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from tests.models.glm53 import reference as ref
+    from tests.models.glm53.test_multimodal import VISION as GLM_VISION
+    from tests.models.glm53.test_multimodal import _redraw_visual
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tiny = Path(embedded_path("glm53-tiny"))
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GLM_SPECIAL])
+    ids = [tok.token_to_id(t) for t in GLM_SPECIAL]
+    assert max(ids) < GLM_VOCAB, ids
+    tok.save(str(path / "tokenizer.json"))
+    shutil.copy(tiny / "tokenizer_config.json", path / "tokenizer_config.json")
+    (path / "preprocessor_config.json").write_text(json.dumps(GLM_PREPROCESSOR))
+    text = json.loads((tiny / "config.json").read_text())
+    for k in ("model_type", "architectures", "num_nextn_predict_layers"):
+        text.pop(k, None)
+    text["vocab_size"] = GLM_VOCAB
+    cfg = Glm5NextConfig(text_config=text, vision_config={**GLM_VISION, "out_hidden_size": text["hidden_size"]},
+                         image_start_token_id=ids[0], image_token_id=ids[1], image_end_token_id=ids[2],
+                         video_start_token_id=ids[3], video_end_token_id=ids[4], video_token_id=ids[5])
+    torch.manual_seed(11)
+    model = Glm5NextForConditionalGeneration(cfg).eval()
+    ref.redraw_(model, seed=11)
+    _redraw_visual(model.model.visual, seed=12)
+    model.save_pretrained(path)
+    return path
