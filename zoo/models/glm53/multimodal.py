@@ -33,42 +33,12 @@ Usage (a full forward / prefill)::
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from zoo.models.glm53.vision import Grid, as_grid, merged_lengths
-
-
-class MMInputs(NamedTuple):
-    """What a multimodal forward takes besides ids and mask (module docstring); a prefill chunk
-    slices ``rows`` and ``is_image`` on T."""
-
-    rows: jax.Array
-    is_image: jax.Array
-    positions: jax.Array | None = None
-
-
-class MMBatch(NamedTuple):
-    """Host-side inputs of a batch of prompts with images (``prepare``).
-
-    patches    float32 [N, C*T*P*P]  every image's (then video's) patches, row by row, in prompt order
-    grid       ((t, h, w), ...)      their grids, in the same order (static under jit)
-    index      int32 [B, T]          the encoded row (of ``model.encode_images(patches, grid)``)
-                                     each placeholder takes; 0 elsewhere
-    is_image   bool [B, T]           the token is an image or video placeholder
-    positions  None                  (GLM has no positional encoding)
-    next_pos   None
-    """
-
-    patches: np.ndarray
-    grid: Grid
-    index: np.ndarray
-    is_image: np.ndarray
-    positions: None = None
-    next_pos: None = None
+from zoo.models.glm53.vision import as_grid, merged_lengths
+from zoo.models.shared.vision import MMBatch, MMInputs, gather_rows, mm_inputs  # noqa: F401  (this module's API)
 
 
 def placeholder_masks(ids: np.ndarray, cfg) -> tuple[np.ndarray, np.ndarray]:
@@ -121,14 +91,3 @@ def prepare(ids: np.ndarray, images: Sequence[Sequence[tuple[np.ndarray, tuple[i
     if not grid:
         raise ValueError("no image in the batch")
     return MMBatch(np.concatenate(patches), as_grid(grid, m), index, image_mask | video_mask)
-
-
-def gather_rows(encoded: jax.Array, batch: MMBatch) -> MMInputs:
-    """``MMInputs`` from the encoded rows ``[N_rows, D]`` (``model.encode_images``)."""
-    rows = jnp.take(encoded, jnp.asarray(batch.index), axis=0)
-    return MMInputs(rows=rows, is_image=jnp.asarray(batch.is_image), positions=None)
-
-
-def mm_inputs(model, batch: MMBatch) -> MMInputs:
-    """The tower run on every image of the batch, its rows placed at the placeholder tokens."""
-    return gather_rows(model.encode_images(jnp.asarray(batch.patches), batch.grid), batch)

@@ -30,43 +30,14 @@ Usage (a full forward / prefill)::
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from zoo.models.qwen38.vision import Grid, as_grid
+from zoo.models.qwen38.vision import as_grid
+from zoo.models.shared.vision import MMBatch, MMInputs, gather_rows, mm_inputs  # noqa: F401  (this module's API)
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
-
-
-class MMInputs(NamedTuple):
-    """What a multimodal forward takes besides ids and mask (module docstring)."""
-
-    rows: jax.Array
-    is_image: jax.Array
-    positions: jax.Array | None = None
-
-
-class MMBatch(NamedTuple):
-    """Host-side inputs of a batch of prompts with images (``prepare``).
-
-    patches    float32 [N, C*T*P*P]  every image's patches, row by row, in prompt order
-    grid       ((t, h, w), ...)      the images' grids, in the same order (static under jit)
-    index      int32 [B, T]          the encoded row (of ``model.encode_images(patches, grid)``)
-                                     each image token takes; 0 elsewhere
-    is_image   bool [B, T]           the token is an image placeholder
-    positions  int32 [3, B, T]       M-RoPE positions (0 at padding)
-    next_pos   int32 [B]             the next position of each row (max position + 1)
-    """
-
-    patches: np.ndarray
-    grid: Grid
-    index: np.ndarray
-    is_image: np.ndarray
-    positions: np.ndarray
-    next_pos: np.ndarray
 
 
 def token_types(ids: np.ndarray, cfg) -> np.ndarray:
@@ -165,17 +136,6 @@ def prepare(ids: np.ndarray, images: Sequence[Sequence[tuple[np.ndarray, tuple[i
         raise ValueError("no image in the batch")
     return MMBatch(np.concatenate(patches), as_grid(grid, m), index, is_image,
                    positions.astype(np.int32), next_pos.astype(np.int32))
-
-
-def gather_rows(encoded: jax.Array, batch: MMBatch) -> MMInputs:
-    """``MMInputs`` from the encoded image rows ``[N_rows, D]`` (``model.encode_images``)."""
-    rows = jnp.take(encoded, jnp.asarray(batch.index), axis=0)
-    return MMInputs(rows=rows, is_image=jnp.asarray(batch.is_image), positions=jnp.asarray(batch.positions))
-
-
-def mm_inputs(model, batch: MMBatch) -> MMInputs:
-    """The tower run on every image of the batch, its rows placed at the image tokens."""
-    return gather_rows(model.encode_images(jnp.asarray(batch.patches), batch.grid), batch)
 
 
 def text_positions(mask: np.ndarray) -> np.ndarray:

@@ -52,8 +52,9 @@ from flax import nnx
 
 from zoo.models.config import ConfigError
 from zoo.models.shared.layers import LayerNorm, Linear, param
+from zoo.models.shared.vision import mmproj_patch_joins, mmproj_patch_parts
 from zoo.ops.matmul import matmul, precision_for
-from zoo.sources.names import Combiner, HeadOrder, Join, NameMap, Rule, Transform
+from zoo.sources.names import HeadOrder, Join, NameMap, Rule, Transform
 
 Grid = tuple[tuple[int, int, int], ...]
 
@@ -416,29 +417,13 @@ def vision_rules(cfg: VisionConfig, src: str = "", dst: str = "") -> list[Rule]:
     ]
 
 
-def _stack_frames(*parts: np.ndarray) -> np.ndarray:
-    return np.stack(parts, axis=2)
-
-
-def _stack_frames_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
-    if any(len(s) != 4 or s != shapes[0] for s in shapes):
-        raise ValueError(f"patch-embedding parts {shapes} are not equal [D, C, P, P] kernels")
-    d, c, p, q = shapes[0]
-    return (d, c, len(shapes), p, q)
-
-
-PATCH_FRAMES = Combiner(_stack_frames, _stack_frames_shape)
-"""llama.cpp's mmproj splits the Conv3d patch kernel ``[D, C, T, P, P]`` into T Conv2d kernels
-(``v.patch_embd.weight``, ``v.patch_embd.weight.1``, ...): stacked back on axis 2."""
-
-
 def gguf_patch_parts(cfg: VisionConfig) -> tuple[str, ...]:
     """The mmproj names of the T parts of the patch kernel."""
-    return ("v.patch_embd.weight",) + tuple(f"v.patch_embd.weight.{j}" for j in range(1, cfg.temporal_patch_size))
+    return mmproj_patch_parts(cfg.temporal_patch_size)
 
 
 def gguf_vision_joins(cfg: VisionConfig) -> tuple[Join, ...]:
-    return (Join(r"v\.patch_embd\.weight", gguf_patch_parts(cfg), "v.patch_embd.frames.weight", PATCH_FRAMES),)
+    return mmproj_patch_joins(cfg.temporal_patch_size)
 
 
 def gguf_vision_rules(cfg: VisionConfig, dst: str = "visual") -> list[Rule]:
