@@ -28,7 +28,7 @@ def qwen_mm_checkpoint(path: Path) -> Path:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from tests.models.qwen38 import reference as ref
-    from tests.models.qwen38.test_multimodal import TOKENS, VISION, redraw_vision_, text_config
+    from tests.models.qwen38.test_multimodal import TOKENS, VISION, text_config
 
     cfg = Qwen3_5Config(text_config=text_config(), vision_config={**VISION, "out_hidden_size": 128},
                         tie_word_embeddings=False, **TOKENS)
@@ -36,7 +36,7 @@ def qwen_mm_checkpoint(path: Path) -> Path:
     model = Qwen3_5ForConditionalGeneration(cfg).eval()
     ref.redraw_(model.model.language_model, seed=3)
     ref.redraw_(model.lm_head, seed=4)
-    redraw_vision_(model.model.visual, seed=5)
+    ref.redraw_vision_(model.model.visual, seed=5)
     model.save_pretrained(path)
     save_file(ref.mtp_tensors(model.config.text_config, seed=6), str(path / "model-mtp.safetensors"))
     _index_mtp(path)
@@ -50,13 +50,13 @@ def glm_mm_checkpoint(path: Path) -> Path:
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
     from tests.models.glm53 import reference as ref
-    from tests.models.glm53.test_multimodal import TOKENS, VISION, _redraw_visual, _text_config
+    from tests.models.glm53.test_multimodal import TOKENS, VISION, _text_config
 
     cfg = Glm5NextConfig(text_config=_text_config(), vision_config=VISION, **TOKENS)
     torch.manual_seed(11)
     model = Glm5NextForConditionalGeneration(cfg).eval()
     ref.redraw_(model, seed=11)
-    _redraw_visual(model.model.visual, seed=12)
+    ref.redraw_vision_(model.model.visual, seed=12)
     model.save_pretrained(path)
     save_file(ref.mtp_tensors(model.config.text_config, seed=13, with_copies=True), str(path / "model-mtp.safetensors"))
     _index_mtp(path)

@@ -36,23 +36,6 @@ PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "ima
                 "image_processor_type": "Qwen2VLImageProcessor"}
 
 
-def _redraw_vision(model, seed: int) -> None:
-    """The tower: matrices N(0, 1/fan_in), norm weights near 1, biases O(0.2), the position table N(0, 1)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            elif name == "pos_embed.weight":
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p[0].numel()))
-
-
 def write_checkpoint(path: Path) -> Path:
     """The tiny multimodal checkpoint in ``path`` (module docstring); returns ``path``."""
     import torch
@@ -83,7 +66,7 @@ def write_checkpoint(path: Path) -> Path:
     model = Qwen3_5ForConditionalGeneration(cfg).eval()
     ref.redraw_(model.model.language_model, seed=3)
     ref.redraw_(model.lm_head, seed=4)
-    _redraw_vision(model.model.visual, seed=5)
+    ref.redraw_vision_(model.model.visual, seed=5)
     model.save_pretrained(path)
     return path
 
@@ -151,7 +134,6 @@ def write_glm_checkpoint(path: Path) -> Path:
 
     from tests.models.glm53 import reference as ref
     from tests.models.glm53.test_multimodal import VISION as GLM_VISION
-    from tests.models.glm53.test_multimodal import _redraw_visual
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -173,6 +155,6 @@ def write_glm_checkpoint(path: Path) -> Path:
     torch.manual_seed(11)
     model = Glm5NextForConditionalGeneration(cfg).eval()
     ref.redraw_(model, seed=11)
-    _redraw_visual(model.model.visual, seed=12)
+    ref.redraw_vision_(model.model.visual, seed=12)
     model.save_pretrained(path)
     return path

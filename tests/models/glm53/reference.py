@@ -315,3 +315,18 @@ def numpy_mtp_logits(ids: np.ndarray, hidden: np.ndarray, embed: np.ndarray, lm_
         x = x + _moe(_rms(x, t["post_attention_layernorm.weight"], eps), t, cfg, margins)
         out.append(_rms(x, t["shared_head.norm.weight"], eps) @ lm_head.T.astype(np.float64))
     return np.stack(out).astype(np.float32), margins
+
+
+def redraw_vision_(visual: torch.nn.Module, seed: int) -> None:
+    """A vision tower at a realistic spread: linears / convs N(0, 1/fan_in), norm weights near 1,
+    biases O(0.3) (the tower and multimodal tests, the server fixtures)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in visual.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(noise / np.sqrt(np.prod(p.shape[1:])))

@@ -45,20 +45,6 @@ def _text_config() -> dict:
     return {k: v for k, v in tiny.items() if k not in drop}
 
 
-def _redraw_visual(visual: torch.nn.Module, seed: int) -> None:
-    """Linears / convs N(0, 1/fan_in), norm weights near 1, biases O(0.3) (as test_vision)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in visual.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(noise / np.sqrt(np.prod(p.shape[1:])))
-
-
 def _prompt(rng, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """ids, mask [2, T]: row 0 text, image A, text, image B, text; row 1 left padding, text, image C, text."""
     start, end, pad = TOKENS["image_start_token_id"], TOKENS["image_end_token_id"], TOKENS["image_token_id"]
@@ -86,7 +72,7 @@ def glm_mm(tmp_path_factory):
     torch.manual_seed(11)
     tm = Glm5NextForConditionalGeneration(hf_cfg).eval()
     ref.redraw_(tm, seed=11)
-    _redraw_visual(tm.model.visual, seed=12)
+    ref.redraw_vision_(tm.model.visual, seed=12)
     tm.save_pretrained(path)
     mtp = ref.mtp_tensors(tm.config.text_config, seed=13, with_copies=True)
     save_file(mtp, str(path / "model-mtp.safetensors"))

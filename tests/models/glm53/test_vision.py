@@ -49,20 +49,6 @@ def norm_err(ours, theirs) -> float:
     return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
 
 
-def _redraw(model: torch.nn.Module, seed: int) -> None:
-    """Linears / convs N(0, 1/fan_in), norm weights near 1, biases O(0.3)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(noise / np.sqrt(np.prod(p.shape[1:])))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _forward(graphdef, state, patches, grid):
     return nnx.merge(graphdef, state)(patches, grid)
@@ -74,7 +60,7 @@ def tower(tmp_path_factory):
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     ref = Glm5NextVisionModel(hf_cfg).eval()
-    _redraw(ref, seed=1)
+    glm_ref.redraw_vision_(ref, seed=1)
     path = tmp_path_factory.mktemp("glm-vision") / "model.safetensors"
     save_file({f"model.visual.{k}": v.numpy() for k, v in ref.state_dict().items()}, str(path))
     cfg = VisionConfig.from_hf(hf_cfg.to_dict())

@@ -180,3 +180,19 @@ def numpy_mtp_logits(ids: np.ndarray, hidden: np.ndarray, embed: np.ndarray, lm_
         u = _attention_layer(u, layer, cfg, eps)
         out.append(_rms(u, mtp["mtp.norm.weight"], eps) @ lm_head.T.astype(np.float64))
     return np.stack(out).astype(np.float32)
+
+
+def redraw_vision_(model: torch.nn.Module, seed: int) -> None:
+    """A vision tower at a realistic spread: matrices N(0, 1/fan_in), norm weights near 1, biases
+    O(0.2), the position table N(0, 1) (the tower and multimodal tests, the server fixtures)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif name == "pos_embed.weight":
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p[0].numel()))

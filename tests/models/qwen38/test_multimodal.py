@@ -42,21 +42,6 @@ def text_config() -> dict:
     return t
 
 
-def redraw_vision_(model: torch.nn.Module, seed: int) -> None:
-    """Matrices N(0, 1/fan_in), norm weights near 1, biases O(0.2), the position table N(0, 1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            elif name == "pos_embed.weight":
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p[0].numel()))
-
-
 def prompts(rng) -> tuple[np.ndarray, np.ndarray]:
     """Row 0: text, image 1, text, image 2, text; row 1 (left-padded): text, image 3, text."""
     text = lambda n: list(rng.integers(10, 512, size=n))        # noqa: E731   no special token
@@ -83,7 +68,7 @@ def case(tmp_path_factory):
     theirs = Qwen3_5ForConditionalGeneration(hf_cfg).eval()
     ref.redraw_(theirs.model.language_model, seed=3)
     ref.redraw_(theirs.lm_head, seed=4)
-    redraw_vision_(theirs.model.visual, seed=5)
+    ref.redraw_vision_(theirs.model.visual, seed=5)
     theirs.save_pretrained(path)
     model = zoo.load(path, dtype="float32")
     rng = np.random.default_rng(1)

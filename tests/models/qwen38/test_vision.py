@@ -21,6 +21,7 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
+from tests.models.qwen38 import reference as qwen_ref
 from zoo.loader.fill import fill_from_source
 from zoo.models.qwen38.vision import (
     VisionConfig,
@@ -46,21 +47,6 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def redraw_(model: torch.nn.Module, seed: int) -> None:
-    """Realistic spread: matrices N(0, 1/fan_in), norm weights near 1, biases O(0.2), table N(0, 1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            elif name == "pos_embed.weight":
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p[0].numel()))
-
-
 @pytest.fixture(scope="module")
 def towers(tmp_path_factory):
     """(torch tower, zoo tower loaded from a safetensors file, the fill's unused keys)."""
@@ -68,7 +54,7 @@ def towers(tmp_path_factory):
     hf_cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     theirs = Qwen3_5VisionModel(hf_cfg).eval()
-    redraw_(theirs, seed=5)
+    qwen_ref.redraw_vision_(theirs, seed=5)
     tensors = {f"model.visual.{k}": v.numpy() for k, v in theirs.state_dict().items()}
     # a few tensors of the rest of a qwen3_5 checkpoint: the tower's map ignores them
     tensors["model.language_model.embed_tokens.weight"] = np.zeros((8, 48), np.float32)
