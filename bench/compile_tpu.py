@@ -5,7 +5,7 @@ chosen from the memory left, and the roofline (bytes a step must read over HBM b
 kernels' grid steps and estimated time, XLA's cost-model estimate and bytes accessed). The baseline
 check is the planner's per-chip weight bytes beside the compiler's (ratio 1.000 when the planner is
 right). Each GLM-5.3-Flash compile takes ~1-2 minutes and ~3 GB of RAM (several compiling processes
-may run at once on a machine without a TPU: ``zoo.serving.aot`` sets ALLOW_MULTIPLE_LIBTPU_LOAD). From
+may run at once on a machine without a TPU: ``zoo.tools.compile_report`` sets ALLOW_MULTIPLE_LIBTPU_LOAD). From
 the repo root:
 
     JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python bench/compile_tpu.py [--quick] [--search] \
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from zoo.serving.aot import GiB, compile_report, largest_batch, table
+from zoo.tools.compile_report import GiB, compile_report, largest_batch, table
 from zoo.tools.plan import plan
 
 MARGIN = GiB // 2

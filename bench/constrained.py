@@ -16,9 +16,9 @@ import argparse
 import time
 
 import zoo
-from zoo.serving import grammar as G
-from zoo.serving.constraint import OutputGrammar
-from zoo.serving.generator import Generator
+from zoo.engine.constraint import OutputGrammar
+from zoo.engine.generator import Generator
+from zoo.server import grammar as G
 
 REPEATS = 3
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "items"],

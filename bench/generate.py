@@ -30,7 +30,7 @@ import jax
 import zoo
 from tests.support.helpers import bigram_variant
 from zoo.api import Model
-from zoo.serving.generator import Generator
+from zoo.engine.generator import Generator
 
 
 class Config:

@@ -1,4 +1,4 @@
-"""Where XLA's "bytes accessed" of each compiled program comes from (``zoo.serving.hlo_traffic``): the
+"""Where XLA's "bytes accessed" of each compiled program comes from (``zoo.tools.hlo_traffic``): the
 groups (prefetch into VMEM, relayout copies, compute, Pallas operands) and the largest contributors,
 for the HLO files ``zoo compile --hlo-dir DIR`` writes. From the repo root:
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from zoo.serving.hlo_traffic import traffic
+from zoo.tools.hlo_traffic import traffic
 
 
 def main() -> None:

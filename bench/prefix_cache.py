@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import zoo
-from zoo.serving.generator import PREFIX_BLOCK, Generator
+from zoo.engine.generator import PREFIX_BLOCK, Generator
 
 WORDS = ("read write list search file path line column branch commit test build module class function "
          "value error result return index offset buffer stream socket token parser schema field").split()

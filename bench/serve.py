@@ -20,8 +20,8 @@ import jax
 import openai
 
 import zoo
-from zoo.serving.generator import Generator
-from zoo.serving.server import ServerThread, create_app
+from zoo.engine.generator import Generator
+from zoo.server.app import ServerThread, create_app
 
 REPEATS = 3                  # best of: the machine may be shared
 

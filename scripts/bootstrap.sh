@@ -27,7 +27,7 @@ case "$job" in
     exec .venv/bin/zoo generate --model qwen38-tiny --prompt "${1:-Hello, zoo!}" --max-tokens 32 ;;
   test)
     "${pip[@]}" -e '.[dev]'
-    .venv/bin/ruff check zoo tests bench scripts configs || { echo "lint failed (ruff; settings in pyproject.toml)" >&2; exit 1; }
+    .venv/bin/ruff check . || { echo "lint failed (ruff; settings in pyproject.toml)" >&2; exit 1; }
     set +e
     .venv/bin/python -m pytest -n 2 --dist loadfile -q "$@"
     rc=$?

@@ -35,7 +35,7 @@ machine with two or more cores the two models train side by side, each in its ow
 
 Evaluation (after reloading the export with ``zoo.load(OUT/NAME)``, bf16): held-out questions
 (``split="eval"``, another seed: keys never trained on), greedy through the real engine (``Model.generate``,
-i.e. ``zoo.serving.generator.Generator``) on ``corpus.prompt(example, turn)``; each turn judged by
+i.e. ``zoo.engine.generator.Generator``) on ``corpus.prompt(example, turn)``; each turn judged by
 ``corpus.check_answer`` (the server's reasoning and tool-call parsers). Reported: exact-answer accuracy per
 family (the final turn; tool families' answers after the given tool result), 2-digit addition apart (goal >=
 90%; also split by thinking and direct answers), tool-call turns exact and well-formed (a parseable call with

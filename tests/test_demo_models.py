@@ -24,7 +24,7 @@ import openai
 import pytest
 
 import zoo
-from zoo.serving.server import ServerThread, create_app
+from zoo.server.app import ServerThread, create_app
 from zoo.train import corpus
 
 KEY = "demo-key"

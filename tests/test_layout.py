@@ -15,8 +15,8 @@ from zoo.registry import REGISTRY
 
 PACKAGE = Path(zoo.__file__).parent
 # Lowest first: a package may import only packages before it in this list (and itself).
-ORDER = ["distributed", "text", "images", "formats", "sources", "sharding", "ops", "kernels", "quant", "models",
-         "registry", "loader", "weight_cache", "tools", "serving", "api", "train", "kaggle", "cli"]
+ORDER = ["configs", "distributed", "text", "images", "formats", "sources", "sharding", "ops", "kernels", "quant",
+         "models", "registry", "loader", "weight_cache", "engine", "tools", "server", "api", "train", "kaggle", "cli"]
 TOP = {"__init__", "__main__"}             # the public entry points import lazily from anywhere
 
 

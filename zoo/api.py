@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zoo.engine.generator import Generator
 from zoo.loader.abstract import abstract_load
 from zoo.loader.fill import fill_from_source
 from zoo.loader.open import DTYPES, check_recipe, dtype_of, open_checkpoint, resolve
 from zoo.loader.overlay import apply_overlay, read_overlay
 from zoo.models.architectures import architecture
-from zoo.serving.generator import Generator
 from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import host_value, on_mesh, resolve_mesh
 from zoo.weight_cache import store as weight_cache
@@ -203,8 +203,8 @@ class Model:
         model's MTP head (output identical to plain decoding at temperature 0). ``logprobs`` /
         ``prompt_logprobs`` N: ``Generation.logprobs`` / ``.prompt_logprobs``, a ``TokenLogprob``
         per generated / prompt token with N alternatives (``max_new_tokens`` 0: the prompt's only).
-        ``images``: per prompt, its ``zoo.serving.request.ImageInput``s in order (each fills its run of
-        ``config.image_token_id`` placeholders; ``zoo.serving.image_prefill``)."""
+        ``images``: per prompt, its ``zoo.engine.request.ImageInput``s in order (each fills its run of
+        ``config.image_token_id`` placeholders; ``zoo.engine.image_prefill``)."""
         gen = self.generator(spec_tokens)
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                   stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

@@ -248,7 +248,7 @@ def test_grid_step_overhead_cannot_dominate_at_full_size(rows):
     and ``steps x 0.35 us + bytes / 819 GB/s`` stays within 1.5x of the bytes' time (the kernels
     took 2 + 32 steps of 128 output lanes per expert before: 272 steps for one row)."""
     from zoo.kernels.census import kernel_census
-    from zoo.serving.roofline import HBM_BANDWIDTH, STEP_OVERHEAD_S
+    from zoo.tools.roofline import HBM_BANDWIDTH, STEP_OVERHEAD_S
 
     experts, hidden, width = 288, 4096, 256
     banks = (_abstract_bank(QType.IQ2_S, experts, hidden, width), _abstract_bank(QType.IQ2_S, experts, hidden, width),

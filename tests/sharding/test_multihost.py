@@ -131,7 +131,7 @@ def test_a_quantized_gguf_over_two_processes_matches_one(tmp_path):
 
 
 def test_an_engine_session_driven_by_process_0_replays_on_the_other(tmp_path):
-    """``zoo.serving.replica``: process 0 takes requests between steps (one arrives at step 3 and
+    """``zoo.engine.replica``: process 0 takes requests between steps (one arrives at step 3 and
     samples, one is cancelled at step 5, MTP k=2) and publishes each step's arrivals and
     cancellations; process 1 replays them. Process 0's tokens and finish reasons equal one process
     running the same session, and process 1 replayed every step."""

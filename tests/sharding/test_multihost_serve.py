@@ -1,4 +1,4 @@
-"""``zoo serve`` over several processes (``zoo.cli.serve``, ``zoo.serving.replica``): the real command
+"""``zoo serve`` over several processes (``zoo.cli.serve``, ``zoo.engine.replica``): the real command
 on 2 processes x 4 CPU devices (gloo collectives) against 1 process x 8 devices.
 
 Process 0 serves HTTP and drives the engine; process 1 replays its steps. The same conversation

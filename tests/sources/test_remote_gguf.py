@@ -20,7 +20,7 @@ from tests.support.audit_files import BANK, EXPERTS, ROWS
 from tests.support.gguf_files import metadata_of, write_gguf
 from tests.support.paths import DATA
 from zoo.cli import main
-from zoo.serving.server import ServerThread
+from zoo.server.app import ServerThread
 from zoo.sources.base import SourceError
 from zoo.sources.gguf import GGUFSource
 from zoo.sources.gguf_header import check_header

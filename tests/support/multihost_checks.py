@@ -136,14 +136,14 @@ def load_memory(path: str, layout: str = "tp") -> tuple[dict, dict]:
 
 
 def replica(path: str, layout: str = "tp", spec_tokens: int = 2) -> tuple[dict, dict]:
-    """An engine session driven by process 0 (``zoo.serving.replica``): requests arrive between
+    """An engine session driven by process 0 (``zoo.engine.replica``): requests arrive between
     steps, one samples, one is cancelled mid-way; the other processes replay. One process: the same
     session on a plain generator. Returns each request's tokens and finish reason."""
     import jax
 
     import zoo
-    from zoo.serving.generator import Generator
-    from zoo.serving.replica import Channel, Follower, Leader
+    from zoo.engine.generator import Generator
+    from zoo.engine.replica import Channel, Follower, Leader
 
     model = zoo.load(path, dtype="float32", mesh=layout)
     gen = Generator(model, spec_tokens=spec_tokens, prefix_cache=None)

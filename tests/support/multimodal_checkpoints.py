@@ -21,7 +21,7 @@ import torch
 from flax import nnx
 from safetensors.numpy import save_file
 
-from zoo.serving.image_prefill import multimodal
+from zoo.engine.image_prefill import multimodal
 
 
 def qwen_mm_checkpoint(path: Path) -> Path:

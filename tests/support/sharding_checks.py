@@ -234,8 +234,8 @@ def prefix_cache(paths: dict) -> dict:
     """Prefix caching on the mesh, both layouts, plain and MTP (k=2): a three-turn conversation
     whose turns 2 and 3 restore the cached prefix (blocks written into a sharded row, state leaves,
     the MTP slots) gives the tokens and logprobs of the single-device run without the cache."""
-    from zoo.serving.generator import Generator
-    from zoo.serving.prefix_cache import PrefixCache
+    from zoo.engine.generator import Generator
+    from zoo.engine.prefix_cache import PrefixCache
 
     rng = np.random.default_rng(3)
     turns = [rng.integers(3, 250, n).tolist() for n in (45, 9, 14)]

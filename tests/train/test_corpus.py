@@ -11,10 +11,10 @@ import re
 import numpy as np
 import pytest
 
-from zoo.serving.chat import KEEP, Service, TextDecoder
-from zoo.serving.reasoning import Reasoning, Text
-from zoo.serving.structured import marker_tokens
-from zoo.serving.tool_parsers import ToolCallArgs, ToolCallStart, detect_format
+from zoo.server.service import KEEP, Service, TextDecoder
+from zoo.server.structured import marker_tokens
+from zoo.text.reasoning_parser import Reasoning, Text
+from zoo.text.tool_calls import ToolCallArgs, ToolCallStart, detect_format
 from zoo.train import corpus as C
 from zoo.train.templates import GLM_ARG_MARKERS, MARKERS, build_tokenizer, chat_format
 
@@ -194,7 +194,7 @@ def test_tokenizer_and_template_fit_the_server(built):
     assert set(tok.special_tokens().values()) == set(fmt.special)
     markers = MARKERS + (GLM_ARG_MARKERS if fmt.name == "glm" else ())
     assert set(marker_tokens(tok, KEEP)) == set(markers)           # the parsers' markers are single tokens
-    assert detect_format(None, fmt.template) == fmt.name
+    assert detect_format(fmt.template) == fmt.name
     assert tok.eos_token == fmt.final_stop and len(tok.eos_token_ids) == 1
 
 

@@ -30,9 +30,9 @@ from tests.support.paths import DATA
 from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.api import resolve
 from zoo.cli import build_parser, main
+from zoo.engine.generator import Generator
 from zoo.loader.overlay import MANIFEST_FILE, TENSORS_FILE, OverlayError, apply_overlay, read_overlay, write_overlay
 from zoo.quant.qarray import QArray
-from zoo.serving.generator import Generator
 from zoo.train.fit_mtp import FitResult, _training_model, acceptance, default_prompts, save_overlay
 
 TINY = "qwen38-tiny"                    # replaced by the random checkpoint below for every test here

@@ -19,7 +19,7 @@ from flax import nnx
 
 import zoo
 from tests.support.random_checkpoints import random_tiny_checkpoint
-from zoo.serving.generator import Generator
+from zoo.engine.generator import Generator
 from zoo.sources.safetensors import SafetensorsSource
 from zoo.train import checkpoint
 from zoo.train.export import export_hf

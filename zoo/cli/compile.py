@@ -1,4 +1,4 @@
-"""``zoo compile``: compile the engine's programs for a target chip ahead of time (``zoo.serving.aot``)."""
+"""``zoo compile``: compile the engine's programs for a target chip ahead of time (``zoo.tools.compile_report``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ GiB = 2 ** 30
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from zoo.serving.aot import compile_report, largest_batch, table
+    from zoo.tools.compile_report import compile_report, largest_batch, table
 
     programs = tuple(p for p in args.programs.split(",") if p)
     chunk = None if args.prefill_chunk == "auto" else int(args.prefill_chunk)
@@ -34,7 +34,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub) -> None:
-    from zoo.serving.aot import TARGETS
+    from zoo.tools.compile_report import TARGETS
 
     p = sub.add_parser("compile", help="compile the decode steps and the prefill chunk for a target chip (no TPU "
                                        "needed); per-chip memory and a roofline from the compiler")

@@ -6,10 +6,10 @@
 With several processes (``zoo.distributed``: the three flags, the ``ZOO_COORDINATOR`` /
 ``ZOO_NUM_PROCESSES`` / ``ZOO_PROCESS_ID`` variables, or nothing on a cluster JAX detects: a
 multi-host TPU slice, SLURM, Open MPI) every process loads the same model over one mesh of all
-their devices. Process 0 serves HTTP and runs the engine as a ``zoo.serving.replica.Leader``; the
+their devices. Process 0 serves HTTP and runs the engine as a ``zoo.engine.replica.Leader``; the
 others serve nothing and replay its steps (``Follower``). Process 0 publishes the engine's settings
 (``zoo/serve/config`` in JAX's key-value store): the others check that they were given the same
-model and take the rest from it. A follower that dies, hangs or fails (``zoo.serving.replica_watch``)
+model and take the rest from it. A follower that dies, hangs or fails (``zoo.engine.replica_watch``)
 makes process 0 end the requests in flight with an error naming it and exit with status 3 within
 ``--follower-timeout`` seconds; when process 0 stops (SIGTERM: after the drain), the followers
 stop too and exit 0.
@@ -153,7 +153,7 @@ def run(args) -> int:
 
 
 def _bind(args):
-    from zoo.serving.transport import bind
+    from zoo.server.transport import bind
 
     try:
         return bind(args.host, args.port)
@@ -181,7 +181,7 @@ def _engine_args(args) -> dict:
 
 
 def _image_policy(args):
-    from zoo.serving.vision_inputs import ImagePolicy
+    from zoo.server.image_inputs import ImagePolicy
 
     if args.max_images < 1:
         raise SystemExit(f"zoo serve: --max-images must be >= 1, got {args.max_images}")
@@ -196,7 +196,7 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
         return 2
     try:
         import zoo
-        from zoo.serving.server import create_app, serve
+        from zoo.server.app import create_app, serve
 
         engine = engine or _engine_args(args)
         key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
@@ -220,7 +220,7 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
         print(f"[zoo] loaded {args.model} from {where} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         print(f"zoo serve: {name}\n  OpenAI base URL:    {base}/v1\n  Anthropic base URL: {base}\n  API key: {key}",
               flush=True)
-        try:                             # until SIGTERM / SIGINT, after the drain (see zoo.serving.transport)
+        try:                             # until SIGTERM / SIGINT, after the drain (see zoo.server.transport)
             serve(app, sock, log_level=args.log_level, header_timeout_s=args.header_timeout,
                   keepalive_timeout_s=args.keepalive_timeout, drain_seconds=args.drain_seconds)
         except KeyboardInterrupt:        # a Ctrl-C that came before the server ran
@@ -235,8 +235,8 @@ def _lead(args) -> int:
     import jax
     from jax._src.distributed import global_state
 
-    from zoo.serving.replica import Channel, Leader
-    from zoo.serving.replica_watch import Watchdog
+    from zoo.engine.replica import Channel, Leader
+    from zoo.engine.replica_watch import Watchdog
 
     client, count = global_state.client, jax.process_count()
     engine = _engine_args(args)
@@ -271,9 +271,9 @@ def _follow(args) -> int:
     from jax._src.distributed import global_state
 
     import zoo
-    from zoo.serving.generator import Generator
-    from zoo.serving.replica import Channel, Follower
-    from zoo.serving.replica_watch import Heartbeat
+    from zoo.engine.generator import Generator
+    from zoo.engine.replica import Channel, Follower
+    from zoo.engine.replica_watch import Heartbeat
 
     client, me, count = global_state.client, jax.process_index(), jax.process_count()
     follower = None

@@ -8,7 +8,7 @@
                         checkpoint and the ``text_config`` one)
     gguf_architectures  GGUF ``general.architecture`` strings (llama.cpp spells some two ways)
     models      the registry names (``zoo.registry``) of this architecture
-    tool_format the native tool-call syntax the server parses (``zoo.serving.tool_parsers``)
+    tool_format the native tool-call syntax the server parses (``zoo.text.tool_calls``)
 
 This module imports nothing from zoo, so every layer may read the table.
 """

@@ -1,5 +1,5 @@
-"""The model contract: what the generator (``zoo.serving.generator``), the speculative decoder
-(``zoo.serving.speculative``) and ``zoo.Model`` call on a model, and nothing more.
+"""The model contract: what the generator (``zoo.engine.generator``), the speculative decoder
+(``zoo.engine.speculative``) and ``zoo.Model`` call on a model, and nothing more.
 
 One forward serves a full pass (a fresh cache as long as the input), prefill, one-token decode and
 k-token verify; the cache is an explicit ``ModelCache`` (``zoo.models.shared.cache``) of typed

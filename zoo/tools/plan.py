@@ -21,7 +21,7 @@ dtype, QArray planes packed per device with their padding) and the splits ``zoo.
 mesh=...)`` places (in "tp" the routed-expert banks split as docs/reference.md section 4 describes:
 gate/up by output rows, down by input blocks; in "ep" by expert over ``ep`` and by width over
 ``tp``). A parameter shared by several inventory tensors (a joined ``kv_b``) is shared by element
-count. ``zoo.serving.aot`` compiles the same abstract model for a real target; the tests check that
+count. ``zoo.tools.compile_report`` compiles the same abstract model for a real target; the tests check that
 the compiler's argument bytes equal these.
 """
 

@@ -4,7 +4,7 @@
 
 The cache's leaves (``init_cache`` of the abstract model, no weights) are split as the serving
 cache is (their logical axes on a ``devices``-chip mesh of ``layout``). What an entry holds is what
-``zoo.serving.prefix_cache`` stores:
+``zoo.engine.prefix_cache`` stores:
 
     per_token   bytes per token of the leaves with a token axis (KV / latents, pooled indexer keys,
                 slot bookkeeping, the MTP layer's slots when ``mtp``)

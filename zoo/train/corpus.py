@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zoo.serving.reasoning import ReasoningParser, Text, prompt_opens_reasoning
-from zoo.serving.tool_parsers import PARSERS, ToolCallArgs, ToolCallStart
+from zoo.text.reasoning_parser import ReasoningParser, Text, prompt_opens_reasoning
+from zoo.text.tool_calls import PARSERS, ToolCallArgs, ToolCallStart
 from zoo.train.templates import chat_format, render_chat, turn_pieces
 
 WORDS = tuple("""apple banana cherry strawberry grape lemon orange melon peach pear plum mango tomato potato carrot
@@ -380,7 +380,7 @@ def corpus_text(arch: str, n: int, seed: int, tasks=TASKS, **kwargs) -> list[str
     return out
 
 
-KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))   # as zoo.serving.chat
+KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))   # as zoo.server.service
 
 
 def parse_turn(example: Example, generated_text: str, turn: int = 0, template: str | None = None

@@ -39,11 +39,11 @@ import optax
 from flax import nnx
 
 from zoo.api import Model
+from zoo.engine.generator import Generator
 from zoo.loader.overlay import abstract_model, checkpoint_files, dotted, rebuild, write_overlay
 from zoo.models.architectures import architecture
 from zoo.quant.int8 import Int8Weight
 from zoo.quant.qarray import QArray
-from zoo.serving.generator import Generator
 from zoo.sources.safetensors import SafetensorsSource
 from zoo.train.export import export_tensors
 from zoo.train.select import split_trainable

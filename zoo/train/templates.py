@@ -28,7 +28,7 @@ turn's prompt plus its generated text renders as the whole conversation does, so
 trained on is what the server later feeds it.
 
 ``ChatFormat.special`` lists the tokens a tokenizer for the format must have as single special
-tokens, in id order: the markers the server's parsers read (``zoo.serving.chat.KEEP``: reasoning,
+tokens, in id order: the markers the server's parsers read (``zoo.server.service.KEEP``: reasoning,
 tool calls, GLM's argument tags) and the template's control tokens. ``build_tokenizer(name, texts)``
 trains such a tokenizer (byte-level BPE) on e.g. ``zoo.train.corpus.corpus_text``; it splits text
 as Qwen2's tokenizer does (digits one by one; a run of newlines is one piece whatever follows it, so
@@ -151,7 +151,7 @@ GLM_ARG_MARKERS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 class ChatFormat:
     """One model family's chat format.
 
-    name         "qwen" | "glm" (also the server's tool-call format, ``zoo.serving.tool_parsers``)
+    name         "qwen" | "glm" (also the server's tool-call format, ``zoo.text.tool_calls``)
     template     the jinja chat template
     special      tokens the tokenizer must have as single special tokens (in id order, pad first)
     stops        the tokens that end an assistant turn (the model writes one, then stops)

@@ -1,0 +1,94 @@
+"""``zoo.server.protocols.responses_request``: Responses API input items and tools, as Codex CLI sends them,
+become the chat template's messages and tools (no server, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zoo.server.protocols.responses_request import ResponsesRequest, function_tools, template_messages, tool_choice
+from zoo.server.validation import ApiError
+
+PARAMS = {"type": "object", "properties": {"cmd": {"type": "string"}}}
+
+
+def message(role: str, text: str, kind: str = "input_text") -> dict:
+    return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
+
+
+def test_a_codex_history_becomes_template_messages():
+    items = [message("developer", "You are Codex."), message("developer", "Sandbox rules."),
+             message("user", "<environment_context/>"), message("user", "list files"),
+             {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "short"}],
+              "content": [{"type": "reasoning_text", "text": "I should run ls."}], "encrypted_content": None},
+             message("assistant", "Running ls.", "output_text"),
+             {"type": "function_call", "call_id": "call_1", "name": "exec_command", "arguments": "{\"cmd\": \"ls\"}"},
+             {"type": "function_call", "call_id": "call_2", "name": "exec_command", "arguments": ""},
+             {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"},
+             {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "b"}]},
+             {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Done."}]},
+             message("assistant", "Two files.", "output_text"),
+             message("developer", "Permissions changed."),
+             {"role": "user", "content": "thanks"}]
+    assert template_messages("Be brief.", items) == [
+        {"role": "system", "content": "Be brief.\n\nYou are Codex.\n\nSandbox rules."},
+        {"role": "user", "content": "<environment_context/>"},
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": "Running ls.", "reasoning_content": "I should run ls.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "ls"}}},
+            {"id": "call_2", "type": "function", "function": {"name": "exec_command", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "b"},
+        {"role": "assistant", "content": "Two files.", "reasoning_content": "Done."},
+        {"role": "user", "content": "Permissions changed."},
+        {"role": "user", "content": "thanks"}]
+
+
+def test_function_and_namespace_tools_hosted_tools_left_out():
+    body = ResponsesRequest.model_validate({"input": "hi", "tools": [
+        {"type": "function", "name": "exec_command", "description": "run", "strict": False, "parameters": PARAMS},
+        {"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [
+            {"type": "function", "name": "spawn_agent", "parameters": PARAMS},
+            {"type": "custom", "name": "freeform", "format": {"type": "grammar"}}]},
+        {"type": "web_search", "external_web_access": False},
+        {"type": "custom", "name": "apply_patch"}]})
+    tools, namespaces = function_tools(body)
+    assert [t["function"]["name"] for t in tools] == ["exec_command", "spawn_agent"]
+    assert tools[0]["function"] == {"name": "exec_command", "description": "run", "parameters": PARAMS}
+    assert namespaces == {"spawn_agent": "agents"}
+    assert tool_choice(body, tools) == ("auto", None)
+    forced = body.model_copy(update={"tool_choice": {"type": "function", "name": "spawn_agent"}})
+    assert tool_choice(forced, tools) == ("function", "spawn_agent")
+
+
+@pytest.mark.parametrize("items, where", [
+    ([{"type": "computer_call", "id": "x"}], "input[0].type: input items of type 'computer_call'"),
+    ([{"type": "message", "role": "tool", "content": "x"}], "input[0].role: unknown role 'tool'"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}],
+     "input[0].content[0]: input_image parts are not supported"),
+    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}],
+     "input[0].arguments: not valid JSON"),
+    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}],
+     "input[0].arguments: expected a JSON object"),
+    ([{"type": "function_call_output", "output": "x"}], "input[0]: a function_call_output needs 'call_id'"),
+    (["just a string"], "input[0]: expected an object"),
+])
+def test_malformed_items_are_a_400_naming_the_item(items, where):
+    with pytest.raises(ApiError) as e:
+        template_messages(None, items)
+    assert e.value.status == 400 and e.value.message.startswith(where), e.value.message
+
+
+@pytest.mark.parametrize("tools, choice, where", [
+    ([{"type": "function"}], None, "tools[0].name: Field required"),
+    ([{"type": "namespace", "name": "n", "tools": [{"type": "function", "name": ""}]}], None,
+     "tools[0].tools[0].name: String should have at least 1 character"),
+    ([{"name": "untyped"}], None, "tools[0]: a tool needs a 'type'"),
+    ([], {"type": "function", "name": "nope"}, "tool_choice: no function named 'nope'"),
+    ([], "required", "tool_choice 'required' needs function tools"),
+    ([{"type": "web_search"}], {"type": "web_search"}, "tool_choice: only function tools"),
+])
+def test_malformed_tools_are_a_400(tools, choice, where):
+    body = ResponsesRequest.model_validate({"input": "hi", "tools": tools, "tool_choice": choice})
+    with pytest.raises(ApiError) as e:
+        tool_choice(body, function_tools(body)[0])
+    assert e.value.status == 400 and e.value.message.startswith(where), e.value.message

@@ -1,0 +1,257 @@
+"""Images in requests, end to end: a real server on 127.0.0.1 over a tiny random multimodal checkpoint
+(``tests/support/multimodal_server.py``), driven by the official ``openai`` and ``anthropic`` SDKs.
+
+Oracle: the greedy tokens of the in-process model (its own multimodal prefill, no engine) for the
+same prompt ids and preprocessed image; the prompt ids built independently (chat template + the
+HF-style placeholder run); every bad image a 400 naming the problem, the server serving after.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import inspect
+import json
+import threading
+import time
+import zlib
+
+import anthropic
+import httpx2 as httpx
+import openai
+import pytest
+from PIL import Image
+
+import zoo
+from tests.images import encode, png_bytes
+from tests.support.multimodal_server import png, reference_greedy, write_checkpoint
+from zoo.engine.generator import Generator
+from zoo.images import ImageSpec, decode_image, preprocess
+from zoo.server.app import ServerThread, create_app
+from zoo.server.image_inputs import ImageParts, ImagePolicy
+from zoo.server.logprob_render import LogprobRenderer
+from zoo.server.validation import ApiError
+
+KEY = "test-key"
+STEPS = 8
+ENGINE_TAKES_IMAGES = "images" in inspect.signature(Generator.make_request).parameters
+needs_engine = pytest.mark.skipif(not ENGINE_TAKES_IMAGES, reason="the engine does not take images yet")
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def mm(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("qwen-mm"))
+    model = zoo.load(path, dtype="float32")
+    app = create_app(model, api_key=KEY, model_name="mm", max_batch=4)
+    with ServerThread(app) as s:
+        s.model, s.path, s.app = model, path, app
+        yield s
+
+
+@pytest.fixture(scope="module")
+def text_only():
+    app = create_app(zoo.load("qwen38-tiny", dtype="float32"), api_key=KEY, model_name="tiny", max_batch=2)
+    with ServerThread(app) as s:
+        yield s
+
+
+def oa(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def an(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+def chat_image(url: str, text: str = "Describe: ") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text}, image_part(url)]}]
+
+
+def expected(server, image: bytes, text: str = "Describe: "):
+    """(prompt ids with the image's placeholder run, (patches, grid)): built here, not by the server."""
+    tok = server.model.tokenizer
+    spec = ImageSpec.from_hf_preprocessor_config(
+        json.loads((server.path / "preprocessor_config.json").read_text()), "qwen3_5")
+    p = preprocess(decode_image(image, max_pixels=10**7, max_bytes=10**7), spec)
+    rendered = tok.apply_chat_template([{"role": "user", "content": text + spec.placeholder(p.n_tokens)}],
+                                       add_generation_prompt=True)
+    return tok.encode(rendered), (p.pixel_values, p.grid_thw), p.n_tokens
+
+
+def test_openai_chat_with_an_image_generates_what_the_model_does(mm):
+    image = png()
+    ids, pixels, n = expected(mm, image)
+    assert n == 35 and pixels[1] == (1, 10, 14)
+    # /tokenize counts the image tokens: the server's ids are exactly the independently built ones
+    tokenized = httpx.post(mm.url + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                           json={"messages": chat_image(data_url(image))}).json()
+    assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
+    text_tokens = len(ids) - n
+    if not ENGINE_TAKES_IMAGES:
+        pytest.skip("the engine does not take images yet: generation not compared")
+    r = oa(mm).chat.completions.create(model="mm", messages=chat_image(data_url(image)), max_tokens=STEPS,
+                                       temperature=0, logprobs=True)
+    assert r.usage.prompt_tokens == text_tokens + n == len(ids)
+    eos = frozenset(mm.app.state.service.engine.generator.eos_token_ids)
+    want = reference_greedy(mm.model, ids, [pixels], STEPS, eos)
+    renderer = LogprobRenderer(mm.model.tokenizer)
+    got = [t.token for t in r.choices[0].logprobs.content]
+    print(f"prompt {len(ids)} tokens ({n} image); greedy {want}")
+    assert got == [renderer.piece(t)[0] for t in want]
+    assert r.usage.completion_tokens == len(want)
+    # the image matters: the same prompt with another picture (same size) is answered otherwise
+    other_ids, other_pixels, _ = expected(mm, png(seed=1))
+    assert other_ids == ids and reference_greedy(mm.model, ids, [other_pixels], STEPS, eos) != want
+
+
+@needs_engine
+def test_anthropic_and_responses_give_the_same_output(mm):
+    image = png(seed=2)
+    ids, _, _ = expected(mm, image, "What is it? ")
+    chat = oa(mm).chat.completions.create(model="mm", messages=chat_image(data_url(image), "What is it? "),
+                                          max_tokens=STEPS, temperature=0)
+    msg = chat.choices[0].message
+    chat_text = ((msg.model_extra or {}).get("reasoning_content") or "") + (msg.content or "")
+    m = an(mm).messages.create(model="mm", max_tokens=STEPS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [
+        {"type": "text", "text": "What is it? "},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(image).decode()}}]}])
+    m_text = "".join(getattr(b, "thinking", None) or getattr(b, "text", "") for b in m.content)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.cache_creation_input_tokens == len(ids)
+    r = oa(mm).responses.create(model="mm", max_output_tokens=STEPS, temperature=0, input=[{
+        "role": "user", "content": [{"type": "input_text", "text": "What is it? "},
+                                    {"type": "input_image", "image_url": data_url(image)}]}])
+    r_text = "".join(c.text for item in r.output if item.type == "reasoning" for c in (item.content or [])) \
+        + r.output_text
+    assert r.usage.input_tokens == len(ids) == chat.usage.prompt_tokens
+    assert chat.usage.completion_tokens == m.usage.output_tokens == r.usage.output_tokens
+    assert chat_text == m_text == r_text
+
+
+def bad_openai(server, content_parts, match: str, client=None):
+    with pytest.raises(openai.BadRequestError) as e:
+        (client or oa(server)).chat.completions.create(model="mm", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "x"}, *content_parts]}])
+    assert match in e.value.message, e.value.message
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_bad_images_are_a_400_naming_the_problem_and_the_server_keeps_serving(mm):
+    corrupt = png()[:60] + b"\x00" * 40
+    tiff = encode(Image.new("RGB", (8, 8), (1, 2, 3)), "TIFF")
+    svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"/>'
+    bomb = png_bytes(100_000, 100_000, zlib.compress(b"\x00" * 64))
+    where = "messages[0].content[1].image_url.url"
+    bad_openai(mm, [image_part(data_url(corrupt))], f"{where}: cannot decode the image")
+    bad_openai(mm, [image_part(data_url(tiff, "image/tiff"))], "unsupported image format TIFF")
+    bad_openai(mm, [image_part(data_url(svg, "image/svg+xml"))], "unsupported image format SVG")
+    bad_openai(mm, [image_part(data_url(bomb))], "decompression bomb")
+    bad_openai(mm, [image_part(data_url(png()))] * 9, "too many images: at most 8 per request")
+    bad_openai(mm, [image_part("http://127.0.0.1:1/cat.png")], f"{where}: image URLs are not allowed")
+    bad_openai(mm, [image_part("file:///etc/passwd")], "unsupported image URL scheme 'file'")
+    bad_openai(mm, [image_part("data:text/plain;base64,aGk=")], "is not an image type")
+    # the placeholder text typed by the user: its pad token does not count as an image
+    with pytest.raises(openai.BadRequestError, match="placeholder"):
+        oa(mm).chat.completions.create(model="mm", max_tokens=2, messages=chat_image(data_url(png()),
+                                                                                   "<|image_pad|> "))
+    with pytest.raises(openai.BadRequestError, match="file_id"):
+        oa(mm).responses.create(model="mm", input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-123"}]}])
+    with pytest.raises(anthropic.BadRequestError, match="image URLs are not allowed"):
+        an(mm).messages.create(model="mm", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="document blocks are not supported"):
+        an(mm).messages.create(model="mm", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}])
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\].content\[0\].source.data: malformed base64"):
+        an(mm).messages.create(model="mm", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!!"}}]}])
+    # still serving: a text request, and (engine permitting) an image request
+    assert oa(mm).chat.completions.create(model="mm", max_tokens=2, messages=[
+        {"role": "user", "content": "hello"}]).usage.completion_tokens >= 1
+    if ENGINE_TAKES_IMAGES:
+        assert oa(mm).chat.completions.create(model="mm", max_tokens=2, messages=chat_image(
+            data_url(png()))).usage.prompt_tokens > 35
+
+
+def test_a_text_only_model_refuses_images(text_only):
+    client = oa(text_only)
+    bad_openai(text_only, [image_part(data_url(png()))], "this model takes text only", client=client)
+    with pytest.raises(anthropic.BadRequestError, match="this model takes text only"):
+        an(text_only).messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png()).decode()}}]}])
+    assert client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        {"role": "user", "content": "hello"}]).choices[0].finish_reason in ("stop", "length")
+
+
+def test_anthropic_count_tokens_counts_image_tokens(mm):
+    image = png(seed=3)
+    ids, _, n = expected(mm, image, "Count: ")
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(image).decode()}}
+    count = an(mm).messages.count_tokens(model="mm", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Count: "}, block]}])
+    assert count.input_tokens == len(ids)
+    # an image in a tool result counts too: two images, two placeholder runs
+    two = an(mm).messages.count_tokens(model="mm", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Count: "}, block]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [block]}]}],
+        tools=[{"name": "shot", "description": "a screenshot", "input_schema": {"type": "object"}}])
+    assert two.input_tokens > count.input_tokens + n
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """/a.png: a PNG; /slow.png: the PNG after 2 s; /missing.png: 404."""
+    def do_GET(self):
+        if self.path == "/missing.png":
+            self.send_error(404)
+            return
+        if self.path == "/slow.png":
+            time.sleep(2)
+        body = png()
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_image_urls_are_fetched_only_when_allowed_within_a_timeout_and_a_cap(mm):
+    """``allow_urls``: an http URL is fetched (in ``prepare``, off the event loop) within the
+    policy's timeout and byte cap; every failure is a 400 naming the part."""
+    vision = mm.app.state.service.vision
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{site.server_address[1]}"
+    try:
+        def fetch(path: str, **policy):
+            parts = ImageParts(vision, ImagePolicy(allow_urls=True, **policy))
+            sentinel = parts.add_url(base + path, "messages[0].content[0].image_url.url")
+            assert parts.substitute(f"a {sentinel} b") == f"a {vision.placeholder} b"
+            return vision.prepare(parts.order, parts.policy)
+
+        [image] = fetch("/a.png")
+        assert image.n_tokens == 35 and image.grid == (1, 10, 14)
+        with pytest.raises(ApiError, match=r"image_url.url: image too large: the URL announces \d+ bytes"):
+            fetch("/a.png", max_url_bytes=100)
+        with pytest.raises(ApiError, match="HTTP 404"):
+            fetch("/missing.png")
+        with pytest.raises(ApiError, match="took longer than 0.5s|timed out"):
+            fetch("/slow.png", url_timeout_s=0.5)
+        with pytest.raises(ApiError, match="not allowed"):
+            ImageParts(vision, ImagePolicy()).add_url(base + "/a.png", "x")
+    finally:
+        site.shutdown()

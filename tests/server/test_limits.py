@@ -1,0 +1,65 @@
+"""Operations of the server under load, on one batch row: a full queue answers 429 with Retry-After,
+a request that waits too long 503, and a client that disconnects mid-stream frees its row."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.server_helpers import QWEN_TEMPLATE, say, scripted_model
+from zoo.server.app import ServerThread, create_app
+
+KEY = "limits-key"
+LONG = 4000                  # tokens of the long answer that holds the only row (seconds even on a fast CPU)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = scripted_model(tmp_path_factory.mktemp("limits-ckpt"), QWEN_TEMPLATE, ["tick " * LONG])
+    app = create_app(model, api_key=KEY, max_batch=1, max_queue=1, queue_timeout_s=1.5, keepalive_s=0.25,
+                     model_name="limits")
+    with ServerThread(app) as s:
+        yield s
+
+
+def metric(server, name: str, **labels) -> float:
+    text = httpx.get(server.url + "/metrics", headers={"x-api-key": KEY}).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_queue_full_429_wait_503_and_disconnect_frees_the_row(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    short = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    stream = c.chat.completions.create(model="m", messages=[{"role": "user", "content": say(0)}], max_tokens=LONG,
+                                       stream=True)
+    chunks = iter(stream)
+    for _ in range(8):                                         # the long answer holds the only row, decoding
+        next(chunks)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(c.chat.completions.create, **short)
+        deadline = time.monotonic() + 10
+        while metric(server, "zoo_queue_depth") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as e:        # the queue (1) is full
+            c.chat.completions.create(**short)
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        with pytest.raises(openai.InternalServerError) as e:   # waited longer than queue_timeout_s
+            waiting.result()
+        assert e.value.status_code == 503 and e.value.body["code"] == "overloaded"
+    stream.close()                                             # disconnect mid-stream
+    r = c.chat.completions.create(**short)                     # served within queue_timeout_s: the row is free
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert metric(server, "zoo_requests_total", finish_reason="cancelled") >= 2      # the 503 and the disconnect
+    assert metric(server, "zoo_http_requests_total", route="/v1/chat/completions", status="429") == 1
+    assert metric(server, "zoo_requests_running") == 0 and metric(server, "zoo_queue_depth") == 0
+
+
+def test_health_needs_no_key(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "model": "limits"}
+    assert httpx.get(server.url + "/metrics").status_code == 401

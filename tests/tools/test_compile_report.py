@@ -1,0 +1,199 @@
+"""Ahead-of-time compilation for a real target with the real TPU compiler (libtpu's topology, no TPU):
+the engine's programs compile with the target's Pallas kernels, and the planner's per-chip bytes
+equal the compiler's argument bytes. The full-size compiles are in ``bench/compile_tpu.py``."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from zoo import registry
+from zoo.models.config import load_config
+from zoo.tools import compile_report as aot
+from zoo.tools.plan import plan_config
+
+jax.numpy.zeros(1).block_until_ready()          # the CPU backend is in use before the target is opened
+
+GLM_LAYERS = 4                                   # 3 KDA layers (dense MLP) + 1 MLA layer with the MoE
+
+
+@pytest.fixture(scope="module")
+def glm_reduced(tmp_path_factory):
+    """GLM-5.3-Flash at full width with its first 4 layers and the MTP layer (a config.json only)."""
+    hf = json.loads(registry.preset_path("glm53-flash.json").read_text())
+    cfg = registry.preset_config(registry.get_spec("glm53-flash"))                    # the preset's layer types
+    hf.update(num_hidden_layers=GLM_LAYERS, layer_types=list(cfg.layer_types[:GLM_LAYERS]),
+              mlp_layer_types=list(cfg.mlp_layer_types[:GLM_LAYERS]),
+              indexer_types=list(cfg.indexer_types[:GLM_LAYERS]))
+    path = tmp_path_factory.mktemp("glm-reduced")
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+@pytest.mark.parametrize("name", ["glm53-tiny", "qwen38-tiny"])
+def test_quantized_tiny_models_compile_for_v5e_8(name):
+    """Decode without and with MTP drafts and a prefill chunk compile for 8 v5e chips, through the
+    Mosaic kernels; each program carries its roofline, its kernels counted while it was traced."""
+    report = aot.compile_report(name, quant="Q8_0", target="v5e-8", batch=2, context=256, spec_tokens=2,
+                                prefill_chunk=64)
+    assert report["chips"] == 8 and report["usable_hbm"] == int(15.75 * 2**30) and report["ok"]
+    names = [p["name"] for p in report["programs"]]
+    assert names == ["decode B=2 L=256", "decode B=2 L=256 MTP k=2", "prefill chunk=64 L=256 + MTP rows"]
+    for program in report["programs"]:
+        assert program["pallas_calls"] > 0 and program["fits"]
+        # the batch state / the prefill row is donated: the outputs beyond it are the logits and tokens
+        assert program["aliased"] >= 0.9 * program["batch_state"] > 0, program
+        assert program["arguments"] >= program["batch_state"] > 0 and program["flops"] > 0
+        roof = program["roofline"]
+        assert roof["pallas"]["calls"] > 0 and roof["pallas"]["grid_steps"] >= roof["pallas"]["calls"]
+        assert 0 < roof["pallas"]["weight_bytes"] and roof["must_read"]["total"] > roof["must_read"]["cache"] > 0
+        assert roof["floor_s"] == roof["must_read"]["total"] / 819e9 and roof["xla"]["bytes_accessed"] > 0
+        assert roof["xla"]["traffic"]["compute"] > 0 and roof["xla"]["traffic"]["pallas"] > 0
+    plain, spec = report["programs"][:2]
+    assert spec["roofline"]["must_read"]["mtp"] > 0 == plain["roofline"]["must_read"]["mtp"]
+    text = aot.table(report)
+    assert "decode B=2 L=256 MTP k=2" in text and "roofline per chip" in text
+
+
+@pytest.mark.parametrize("quant", ["UD-IQ3_XXS", "int8"])
+def test_planner_equals_the_compiler(glm_reduced, quant):
+    """Per chip: planner bytes == the abstract load's weight shards == the compiler's argument bytes
+    less the batch state, within 1% (the compiler pads small arrays to its tiles)."""
+    report = aot.compile_report(glm_reduced, quant=quant, target="v5e-8", batch=1, context=2048, spec_tokens=1,
+                                programs=("decode",))
+    decode = report["programs"][-1]                 # with the MTP drafts: every weight is read
+    planner = plan_config(load_config(glm_reduced), quant, 8).per_device_bytes
+    compiler = decode["arguments"] - decode["batch_state"]
+    print(f"{quant}: planner {planner:,} B, compiler {compiler:,} B per chip")
+    assert planner == report["weights_per_chip"]
+    assert abs(compiler - planner) <= 0.01 * planner
+    assert decode["pallas_calls"] > 0
+
+
+def test_cli_defaults_and_errors(capsys):
+    """``zoo compile`` without options compiles the serving set: 3 rows, MTP k=3 where the model has
+    an MTP layer (decode with and without drafts), the largest prefill chunk that leaves the margin."""
+    from zoo.cli import main
+
+    assert main(["compile", "qwen38-tiny", "--quant", "int8", "--context", "128", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["target"] == "v5e-8" and doc["spec_tokens"] == 3 and doc["prefill_chunk"] == 128 and doc["ok"]
+    assert [p["name"] for p in doc["programs"]] == [          # the largest chunk the 128-slot cache holds
+        "decode B=3 L=128", "decode B=3 L=128 MTP k=3", "prefill chunk=128 L=128 + MTP rows"]
+    too_long = aot.compile_report("qwen38-tiny", quant="int8", batch=32, context=2**24, programs=("decode",))
+    decode = too_long["programs"][0]                 # 32 rows x 16M slots: the compiler says it needs more
+    assert decode["fits"] is False and decode["required"] > decode["usable"] and "CompileTimeHbmOom" in decode["error"]
+    assert "DOES NOT FIT" in aot.table(too_long) and not too_long["ok"]
+    with pytest.raises(ValueError, match="unknown compile target 'v9'"):
+        aot.compile_report("qwen38-tiny", target="v9")
+    with pytest.raises(ValueError, match="unknown program 'train'"):
+        aot.compile_report("qwen38-tiny", programs=("train",))
+    with pytest.raises(ValueError, match="a prefill chunk of 512 tokens does not fit a cache of 256 slots"):
+        aot.compile_report("qwen38-tiny", context=256, prefill_chunk=512, programs=("prefill",))
+
+
+def test_prefill_chunk_from_the_memory_left():
+    """A margin no chunk leaves: every chunk size is tried, largest first, and none is chosen."""
+    report = aot.compile_report("qwen38-tiny", quant="int8", context=1024, prefill_chunk=None,
+                                programs=("prefill",), min_margin=16 * 2**30)
+    assert [p["name"] for p in report["programs"]] == [f"prefill chunk={c} L=1024" for c in aot.PREFILL_CHUNKS]
+    assert all(p["rejected"] for p in report["programs"]) and report["prefill_chunk"] is None and not report["ok"]
+    assert "(chunk not chosen)" in aot.table(report)
+
+
+def test_largest_batch_is_bracketed_by_the_compiler():
+    """The largest decode batch at a long context: it compiles with the margin, one row more does not."""
+    found = aot.largest_batch("qwen38-tiny", quant="int8", context=2**21, min_margin=2**30)
+    assert found["batch"] >= 1 and found["margin"] >= 2**30
+    assert found["next_margin"] is not None and found["next_margin"] < 2**30
+    assert found["program"] == f"decode B={found['batch']} L={2**21}"
+
+
+def test_roofline_arithmetic():
+    from zoo.kernels.census import KernelCall
+    from zoo.tools.roofline import STEP_OVERHEAD_S, roofline, xla_seconds
+
+    assert xla_seconds({"optimal_seconds": -84.75}) == (0.25, 85)       # 85 uncosted ops, 0.25 s estimate
+    assert xla_seconds({"optimal_seconds": 0.003}) == (0.003, 0)
+    calls = [KernelCall("a", 4, 1000, 4000), KernelCall("a", 4, 1000, 4000), KernelCall("b", 2, 500, 1000)]
+    r = roofline({"weights": 6000, "experts": 3000}, 1000, calls, {"optimal_seconds": 0.5, "bytes accessed": 7}, "v5e")
+    assert r["must_read"]["total"] == 10_000 and r["floor_s"] == 10_000 / 819e9
+    assert r["pallas"]["grid_steps"] == 10 and r["pallas"]["weight_bytes"] == 9000
+    assert r["pallas"]["estimate_s"] == 10 * STEP_OVERHEAD_S + 9000 / 819e9
+    assert r["pallas"]["by_kernel"]["a"] == {"calls": 2, "steps": 8, "weight_bytes": 8000}
+
+
+def test_must_read_counts_each_weight_by_what_a_step_touches():
+    """With rows enough to use every expert and every embedding row, and one MTP call, a step reads
+    every weight exactly once; one decode row reads top_k / E of each routed-expert bank."""
+    import jax.numpy as jnp
+
+    from zoo.loader.abstract import abstract_load, shard_bytes
+    from zoo.tools.roofline import must_read
+
+    module, cfg = abstract_load("glm53-tiny", "Q8_0", jnp.bfloat16, None)
+    everything = must_read(module, cfg, rows=10**6, mtp_calls=1, mtp_rows=10**6)
+    assert sum(everything.values()) == shard_bytes(module) and min(everything.values()) > 0
+    one = must_read(module, cfg, rows=1)
+    share = cfg.num_experts_per_tok / cfg.n_routed_experts
+    assert one["mtp"] == 0 and abs(one["experts"] - everything["experts"] * share) <= 1
+    assert one["weights"] == everything["weights"] and one["embedding"] < everything["embedding"]
+
+
+def test_both_forms_of_the_compilers_out_of_memory_message():
+    temporaries = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
+                   "for HLO temporaries (15.97G) exceeds available HBM (15.75G). HLO module: jit__step_impl.")
+    capacity = ("Ran out of memory in memory space hbm. Used 15.78G of 15.75G hbm. Exceeded hbm capacity by 31.36M.")
+    assert aot.required_bytes(temporaries) == int(15.97 * 2**30)
+    assert aot.required_bytes(capacity) == int(15.78 * 2**30)
+    assert aot.required_bytes("INVALID_ARGUMENT: something else") is None
+
+
+def test_hlo_traffic_accounts_for_xlas_bytes_accessed():
+    """An int8 matvec with a scale, compiled for one v5e chip: the per-instruction estimate equals
+    XLA's own total within 5%, and the 80 MB weight is read once (no relayout)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from zoo.tools.hlo_traffic import traffic
+
+    mesh = Mesh(np.asarray(aot.target_devices(aot.get_target("v5e-8"))[:1]), ("x",))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))  # noqa: E731
+    compiled = jax.jit(lambda x, w, s: jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32) * s).lower(
+        spec((1, 4096), jnp.bfloat16), spec((4096, 19360), jnp.int8), spec((19360,), jnp.float32)).compile()
+    groups, _ = traffic(compiled.as_text())
+    accessed = compiled.cost_analysis()
+    accessed = (accessed[0] if isinstance(accessed, (list, tuple)) else accessed)["bytes accessed"]
+    ours = sum(v for k, v in groups.items() if k != "pallas")
+    assert abs(ours - accessed) <= 0.05 * accessed and accessed >= 4096 * 19360
+    assert groups.get("relayout", 0) == 0
+
+
+@pytest.mark.parametrize("qtype,d_in,splits", [("Q8_0", 2176, 1), ("Q6_K", 4352, 1), ("IQ4_XS", 2304, 1),
+                                               ("Q8_0", 192, 2)])
+def test_decode_kernel_compiles_for_v5e_at_awkward_widths(qtype, d_in, splits):
+    """The decode kernel for one matrix whose input axis is no power of two (a chip's share of
+    Qwen3.8-27B's MLP in "tp"; two parts of 96 inputs, chunks off the lane grid), compiled by the
+    real Mosaic compiler for a v5e chip."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from zoo.formats import planes as P
+    from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+    from zoo.kernels import dequant_matvec as mv
+    from zoo.quant.qarray import QArray
+
+    qt = QType[qtype]
+    mesh = Mesh(np.asarray(aot.target_devices(aot.get_target("v5e-8"))[:1]), ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    shapes = P.plane_shapes(qt, (), 640, d_in // BLOCK_LAYOUTS[qt].block_size, splits)
+    w = QArray({n: jax.ShapeDtypeStruct(s, jnp.uint32, sharding=sharding) for n, s in shapes.items()}, qt, (d_in, 640),
+               in_splits=splits)
+    x = jax.ShapeDtypeStruct((4, d_in), jnp.bfloat16, sharding=sharding)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda x, w: mv.linear_matvec(x, w, jnp.bfloat16)).lower(x, w).compile()
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1

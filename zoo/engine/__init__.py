@@ -1,0 +1,3 @@
+"""The engine: the continuous-batching ``Generator`` on the device and everything it drives (rows,
+sampling, logprobs, MTP speculation, output constraints and their token masks, the prefix cache,
+image prefill, thinking budgets, the multi-process replica). It never imports ``zoo.server``."""

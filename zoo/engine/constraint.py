@@ -1,0 +1,155 @@
+"""A request's output constraint: an llguidance matcher behind a gate, driven token by token.
+
+The engine asks a ``Constraint`` for token bitmasks (``[W] int32`` per position, bit ``t % 32`` of
+word ``t // 32`` set when token ``t`` is allowed; ``W = ceil(V / 32)`` for the logits' width V) and
+tells it which tokens the row emitted (``advance``). The device masks the logits with them
+(``zoo.engine.token_mask``).
+
+The gate: the grammar applies only once the output has passed ``wait`` -- token sequences that must
+appear, in order (``</think>`` when the prompt opens a reasoning block: the constraint starts after
+the reasoning closes). Until then every token is allowed. ``reasoning`` (open, close): the model
+may open a reasoning block itself with its first token (templates that neither open nor close one):
+the first mask is the grammar's plus that opening token; taking it makes the gate wait for the
+close. ``rearm``: when the grammar is complete,
+the matcher restarts and the gate waits for this sequence again (tool calls in ``auto`` mode: free
+text, and each ``<tool_call>`` constrained to a call); without it, a complete grammar completes the
+request. Tokens the engine forces (a thinking budget's ``</think>`` and the layout after it) pass
+the gate but are not grammar output.
+
+Speculative decoding: ``fill(rows, drafts)`` writes the masks of the k+1 verify positions: position
+0 from the current state, position i after drafts 1..i, which the matcher consumes tentatively and
+then rolls back (a draft the grammar refuses ends it: the positions after it are left all-allowed,
+the device rejects that draft anyway since it is masked at its own position).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+
+ALL = -1                                    # an all-allowed mask word
+
+
+def mask_words(vocab: int) -> int:
+    return (vocab + 31) // 32
+
+
+_VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_VOCABS_LOCK = threading.Lock()
+
+
+def llg_tokenizer(tokenizer, n_vocab: int, eos_ids) -> llguidance.LLTokenizer:
+    """The llguidance tokenizer for a ``zoo.text.Tokenizer`` whose model has ``n_vocab`` logits
+    (built once per tokenizer; ids past the tokenizer's vocabulary are never allowed)."""
+    key = (int(n_vocab), tuple(sorted(eos_ids)))
+    with _VOCABS_LOCK:
+        cached = _VOCABS.setdefault(tokenizer, {})
+        if key not in cached:
+            cached[key] = llguidance.LLTokenizer(tokenizer.backend_json(), n_vocab=int(n_vocab),
+                                                 eos_token=list(key[1]) or None)
+        return cached[key]
+
+
+@dataclass(frozen=True)
+class OutputGrammar:
+    """What a request's output must follow: an llguidance ``grammar`` (``zoo.server.grammar``) and
+    its gate, as token ids (``wait``: sequences to pass first; ``rearm``: see the module doc)."""
+    grammar: str
+    wait: tuple[tuple[int, ...], ...] = ()
+    rearm: tuple[int, ...] | None = None
+    reasoning: tuple[int, tuple[int, ...]] | None = None    # (opening token, close sequence)
+
+
+class Constraint:
+    """One request's constraint (see the module doc). ``grammar``: an llguidance grammar string
+    (``zoo.server.grammar``), already checked; ``wait`` / ``rearm``: token-id sequences."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, *, wait=(), rearm=None, reasoning=None):
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(self.matcher.get_error())
+        self.words = mask_words(tokenizer.vocab_size)
+        self.wait = [tuple(w) for w in wait if w]
+        self.rearm = tuple(rearm) if rearm else None
+        self.tail: list[int] = []           # recent tokens while the gate waits
+        self.error: str | None = None
+        self.complete = False               # the grammar finished and nothing re-arms it
+        self.reasoning = None if self.wait else reasoning   # undecided: the first token may open reasoning
+
+    @property
+    def armed(self) -> bool:
+        return not self.wait
+
+    # -- the gate ---------------------------------------------------------------------------------
+    @staticmethod
+    def _pass(wait: list, tail: list, tok: int) -> bool:
+        """Feed ``tok`` to a waiting gate (``wait``/``tail`` updated); True when it opens."""
+        tail.append(tok)
+        want = wait[0]
+        if tuple(tail[-len(want):]) == want:
+            wait.pop(0)
+            tail.clear()
+        else:
+            del tail[:-len(want)]
+        return not wait
+
+    # -- the engine's side ------------------------------------------------------------------------
+    def advance(self, tokens, forced: bool = False) -> int:
+        """The row emitted ``tokens`` (``forced``: the engine forced them). Returns how many of them
+        stand: all, or up to the one that completed the grammar (``complete`` set), or those before
+        the one that broke it (``error`` set)."""
+        for n, tok in enumerate(tokens):
+            if self.complete:
+                return n
+            if self.error:
+                return n
+            if self.reasoning is not None:
+                opening, close = self.reasoning
+                self.reasoning = None
+                if int(tok) == opening:
+                    self.wait = [tuple(close)]
+                    continue
+            if not self.armed:
+                self._pass(self.wait, self.tail, int(tok))
+            elif forced:
+                pass
+            elif not self.matcher.consume_token(int(tok)):
+                self.error = f"token {tok} broke the output grammar: {self.matcher.get_error()}"
+                return n
+            elif self.matcher.is_stopped():
+                if self.rearm:
+                    self.matcher.reset()
+                    self.wait = [self.rearm]
+                else:
+                    self.complete = True
+        return len(tokens)
+
+    def fill(self, rows: np.ndarray, drafts=()) -> None:
+        """Masks for the next ``1 + len(drafts)`` positions into ``rows`` ``[>= 1 + len(drafts), W]``
+        int32 (see the module doc)."""
+        rows[:len(drafts) + 1] = ALL
+        wait, tail = list(self.wait), list(self.tail)
+        consumed = 0
+        for i in range(len(drafts) + 1):
+            if not wait:
+                self.matcher.unsafe_compute_mask_ptr(rows[i].ctypes.data, rows.shape[1] * 4)
+            if i == 0 and self.reasoning is not None:
+                opening = self.reasoning[0]
+                rows[0, opening // 32] |= np.int32(np.uint32(1 << (opening % 32)).view(np.int32))
+                if drafts and int(drafts[0]) == opening:
+                    break                   # reasoning: the rest is free
+            if i == len(drafts):
+                break
+            tok = int(drafts[i])
+            if wait:
+                self._pass(wait, tail, tok)
+            elif self.matcher.is_stopped() or not self.matcher.try_consume_tokens([tok]):
+                break
+            else:
+                consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)

@@ -1,0 +1,789 @@
+"""Generator: continuous batching over a loaded model, plain or MTP-speculative decoding.
+
+Requests join and leave between steps. Device state is one *batch* pytree whose leaves all lead
+with the row axis ``[B, ...]``::
+
+    cache   the model's cache for B rows and L token slots (KV slots + recurrent states)
+    carry   plain: {"tok": [B]} the last sampled token, not yet fed to the model
+            spec:  {"h": [B, k+1, D], "tok": [B, k+1], "n": [B]} pending MTP rows
+    params  per-row sampling parameters and PRNG state: temperature, top_k, top_p, seed, step
+
+A step is ONE compiled program for the whole model (``_plain_step`` / ``speculative.spec_step``);
+the cache is donated. A new request is prefilled alone into a cache of the batch's length, in pieces
+that end at every multiple of ``prefill_chunk`` tokens, at its ``cache_marks`` and at the prompt's
+end (``_plan``), split into power-of-two widths (the last right-padded to ``PREFILL_MIN``: a few
+bounded compilations; ``zoo compile`` chooses the chunk a target's memory leaves room for); the
+index advances by the real tokens only, so a row is compact (slot s holds position s). Then it is
+inserted into a free row. The batch grows (rows doubling from ``MIN_ROWS`` up to ``max_batch``,
+slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_budget`` allows;
+otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
+
+Prefix caching (``zoo.engine.prefix_cache``): a request starts from the longest cached prefix of its
+prompt with a state snapshot at its end (``_lookup``, ``PrefixRows.restore``) and prefills the rest; every
+piece end and every finished request leaves a snapshot (``_snapshot``; a finished row holds its
+prompt and all its tokens but the last, which was sampled and never fed). The cache's device tier is
+counted against ``memory_budget`` and gives way to the batch.
+
+Log-probabilities (``zoo.engine.logprobs``): a request with ``logprobs`` N gets a ``TokenLogprob``
+per generated token (its logprob and N alternatives) in ``Request.token_logprobs``, computed inside
+the same programs (the step and the first-token program take a static top-K; steps where no row
+asks run without). ``prompt_logprobs`` N: the prefill also yields the prompt tokens' logprobs
+(``Request.prompt_token_logprobs``, the first one None); with ``max_new_tokens == 0`` the request
+ends after its prefill (an echo of the prompt's logprobs, as lm-evaluation-harness asks for).
+
+Structured outputs (``zoo.engine.constraint``): a request with a ``Constraint`` gets a token
+bitmask per step, filled on the host by llguidance while the device runs the forward, and applied
+to the logits on the device before sampling (``zoo.engine.masked_step``: the step split around the
+masks; steps with no constrained row run the fused program). Under MTP the host reads the drafts,
+checks them against the matcher (tentatively consumed, then rolled back) and masks every verify
+position. A request whose grammar completes finishes with "stop".
+
+Several choices (``n``): ``make_request(n=...)`` returns the first choice with the others in
+``forks``; the prompt is prefilled once, its cache row copied into one row per choice, each choice
+sampling with its own seed stream from its first token on.
+
+Images (``zoo.engine.image_prefill``): a request's ``images`` fill its prompt's placeholder runs; at
+admission the tower runs once per image, each prefill piece takes its slice of the rows (and of
+Qwen's absolute M-RoPE positions; GLM's MTP layer the same rows), decoding is text. The prefix
+cache keys a prompt with images by ``Request.cache_tokens`` (placeholders replaced by content ids).
+
+Forced tokens: a request may have ids queued in ``Request.forcing`` (a thinking budget closing the
+reasoning, ``zoo.engine.thinking_budget``); each step then emits the next of them for that row instead of
+sampling (speculative rows reject their drafts that step), and the model continues from it.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import logging
+import os
+import threading
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import llguidance
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from zoo.engine import speculative
+from zoo.engine.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
+from zoo.engine.image_prefill import ImagePrefill, cache_tokens, check_images, multimodal
+from zoo.engine.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token_logprobs, top_bucket
+from zoo.engine.masked_step import MaskedPrograms, pick_next
+from zoo.engine.prefix_cache import PrefixCache, Snapshot, token_strides
+from zoo.engine.prefix_rows import PrefixRows
+from zoo.engine.request import Generation, ImageInput, Request, fork_seed
+from zoo.engine.rows import default_memory_budget, embed, first_token, place
+from zoo.engine.sampling import flag_nonfinite, row_keys
+from zoo.engine.thinking_budget import ThinkingBudget
+from zoo.sharding.cache_axes import cache_shardings, shard_cache
+from zoo.sharding.mesh import host_value, on_mesh
+
+log = logging.getLogger("zoo.serve")
+PREFILL_CHUNK = 1024
+PREFILL_MIN = 16
+CACHE_BUCKET = 256
+PREFIX_BLOCK = 256     # tokens per prefix-cache block (zoo.engine.prefix_cache)
+MIN_ROWS = 4          # the batch starts with this many rows (fewer compilations as streams join)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class Generator:
+    """Continuous-batching engine over ``model`` (a ``zoo.Model``); ``spec_tokens`` k > 0 drafts k
+    tokens per step with the model's MTP head."""
+
+    def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, memory_budget: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache: PrefixCache | float | None = None,
+                 prefix_cache_host_gb: float | None = None, prefix_block: int = PREFIX_BLOCK):
+        """``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
+        the model's identity), its device budget in GiB (0: no prefix caching), or None for the
+        default (a quarter of ``memory_budget``); ``prefix_cache_host_gb``: the host-RAM tier (None:
+        a tenth of host RAM); ``prefix_block``: tokens per cached block (a power of two dividing
+        ``CACHE_BUCKET``)."""
+        if spec_tokens and getattr(model.module, "mtp", None) is None:
+            raise ValueError("speculative decoding needs an MTP layer; this model has none")
+        self.model = model
+        self.k = int(spec_tokens)
+        self.max_batch = max_batch
+        if prefill_chunk < PREFILL_MIN or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.memory_budget = memory_budget or default_memory_budget()
+        self._graphdef, self._state = nnx.split(model.module)
+        eos = set(getattr(model.config, "eos_token_id", ()) or ())
+        if model.tokenizer is not None:
+            eos |= set(model.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._rows: list[Request | None] = []
+        self._batch = None
+        self._B = self._L = 0
+        self._cache_bytes: dict[tuple[int, int], int] = {}
+        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("top_n",))
+        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,), static_argnames=("top_n",))
+        self._place_fn = jax.jit(functools.partial(place, k=self.k), donate_argnums=(0,))
+        self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
+        self._grow_fn = jax.jit(embed, donate_argnums=(1,))
+        # jitted: eager sampling would recompile its cond per request
+        self._first_fn = jax.jit(first_token, static_argnames=("top_n",))
+        for name in ("_step_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_grow_fn", "_first_fn"):
+            setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
+        self._masked = MaskedPrograms(self._graphdef, self.k, getattr(model, "mesh", None))
+        self._images = ImagePrefill(model, self._graphdef, getattr(model, "mesh", None)) if multimodal(model) else None
+        mtp = getattr(model.module, "mtp_forward", None)
+        self._mtp_mm = mtp is not None and "mm" in inspect.signature(mtp).parameters   # GLM: MTP takes the rows
+        self.vocab = int(model.config.vocab_size)           # the logits' width
+        self._mask_words = mask_words(self.vocab)
+        self._executor = None                               # llguidance's thread pool, made on first use
+        self._init_prefix_cache(prefix_cache, prefix_cache_host_gb, prefix_block)
+        self.prefills = 0                                   # prompts prefilled (a request's choices share one)
+        self.steps = 0                                      # decode steps run
+        self.faults = {"failed_requests": 0, "failed_steps": 0, "last_error": None}   # see ``step``
+        self.on_step_failure = None     # called with the error before a failed step fails its requests
+
+    def _init_prefix_cache(self, prefix, host_gb, block) -> None:
+        if prefix is None or isinstance(prefix, (int, float)):
+            device = int(0.25 * self.memory_budget) if prefix is None else int(float(prefix) * 2**30)
+            host = (int(0.1 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if host_gb is None
+                    else int(float(host_gb) * 2**30))
+            prefix = PrefixCache(device, host, block) if device > 0 else None
+        self.prefix = prefix
+        if prefix is None:
+            return
+        if CACHE_BUCKET % prefix.block:
+            raise ValueError(f"prefix block {prefix.block} must divide the cache bucket {CACHE_BUCKET}")
+        shapes = jax.eval_shape(lambda: self._empty_impl(1, CACHE_BUCKET))["cache"]
+        info = getattr(self.model, "load_info", {}) or {}
+        mesh = getattr(self.model, "mesh", None)
+        root = PrefixCache.root("|".join(map(str, (
+            id(self.model.module), info.get("path"), info.get("format"), info.get("quant"), info.get("dtype"),
+            self.model.config, f"mtp={bool(self.k)}", f"block={prefix.block}",
+            None if mesh is None else dict(mesh.shape)))))
+        self._rows_io = PrefixRows(prefix, root, self._graphdef, self.k, token_strides(shapes, CACHE_BUCKET), mesh)
+
+    # -- device programs ----------------------------------------------------------------------
+    def _empty_impl(self, rows: int, length: int) -> dict:
+        model = nnx.merge(self._graphdef, self._state)
+        cache = shard_cache(model.init_cache(rows, length))
+        if not self.k:
+            cache = cache.without_mtp()
+        d = model.config.hidden_size
+        carry = ({"h": jnp.zeros((rows, self.k + 1, d), model.dtype), "tok": jnp.zeros((rows, self.k + 1), jnp.int32),
+                  "n": jnp.ones((rows,), jnp.int32)} if self.k else {"tok": jnp.zeros((rows,), jnp.int32)})
+        params = {"temperature": jnp.zeros((rows,), jnp.float32), "top_k": jnp.zeros((rows,), jnp.int32),
+                  "top_p": jnp.ones((rows,), jnp.float32), "seed": jnp.zeros((rows,), jnp.uint32),
+                  "step": jnp.zeros((rows,), jnp.int32)}
+        return {"cache": cache, "carry": carry, "params": params}
+
+    def _prefill_impl(self, state, ids, mask, h_prev, next_ids, next_mask, cache, top_n: int | None = None,
+                      mm=None):
+        """One prompt piece ``ids`` [1, C], right-padded (``mask``: its real tokens first), written at
+        the cache's index; the index then advances by the real tokens only, so the row stays compact
+        (slot s holds position s) and the next piece overwrites the padding. With spec, also the MTP
+        rows of the piece, lagged by one: the row of token x_t pairs it with h_{t-1} (``h_prev``
+        [1, D] for the first, the previous piece's last hidden state) and sits in slot t, so the MTP
+        slots of a block depend on that block's tokens only (the prefix cache shares them).
+        Returns (logits [1, V] and hidden [1, D] at the last real token, cache), and with ``top_n``
+        the ``token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t).
+        ``mm``: the piece's image inputs (``ImagePrefill.piece``), None for text."""
+        model = nnx.merge(self._graphdef, state)
+        count = mask.sum(axis=1, dtype=jnp.int32)
+        index, has_prev = cache.slots.index, cache.slots.pos > 0
+        logits, hidden, cache = model(ids, mask, cache) if mm is None else model(ids, mask, cache, mm=mm)
+        cache = cache.replace(slots=cache.slots.replace(index=index + count))
+        if self.k:
+            mtp_index = cache.mtp.slots.index
+            rows = mask & jnp.concatenate([has_prev[:, None], mask[:, :-1]], axis=1)
+            h_in = jnp.concatenate([h_prev[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
+            mtp_mm = {} if mm is None or not self._mtp_mm else {"mm": mm._replace(positions=None)}
+            _, _, cache = model.mtp_forward(h_in, ids, rows, cache, **mtp_mm)   # row t embeds x_t: mm aligned
+            cache = cache.replace(mtp=cache.mtp.replace(slots=cache.mtp.slots.replace(index=mtp_index + count)))
+        last = jnp.maximum(count - 1, 0)
+        logits_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        if top_n is not None:
+            return logits_last, hidden_last, shard_cache(cache), token_logprobs(logits, next_ids, top_n)
+        return logits_last, hidden_last, shard_cache(cache)
+
+    def _step_impl(self, state, batch, active, force, cap, top_n: int | None = None):
+        """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
+        ``cap`` [B] int32: the most tokens a speculative row may emit this step. Returns (batch,
+        tokens [B, T], n [B]: -1 for a row whose logits are not finite) and with ``top_n`` the
+        ``token_logprobs`` of ``tokens`` ([B, T] leaves) from the target model's logits (the verify
+        logits when speculating)."""
+        model = nnx.merge(self._graphdef, state)
+        cache, carry, params = batch["cache"], batch["carry"], batch["params"]
+        if self.k:
+            cache, carry, tokens, n, logits = speculative.spec_step(model, cache, carry, active, row_keys(params),
+                                                                    params, self.k, force, cap, with_logits=True)
+        else:
+            logits, _, cache = model(carry["tok"][:, None], active[:, None], cache)
+            carry, new = pick_next(carry["tok"], params, logits[:, 0], active, force)
+            tokens, n = new[:, None], active.astype(jnp.int32)
+        n = flag_nonfinite(n, logits)
+        params = {**params, "step": params["step"] + active.astype(jnp.int32)}
+        batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
+        if top_n is not None:
+            return batch, tokens, n, token_logprobs(logits, tokens, top_n)
+        return batch, tokens, n
+
+    # -- ahead of time ------------------------------------------------------------------------
+    @property
+    def weights(self):
+        """The model's parameter state, the first argument of every program."""
+        return self._state
+
+    def program(self, name: str, keep_unused: bool = False):
+        """The jitted device program ``name`` ("decode": ``(state, batch, active, force, cap)``, the
+        batch donated; "prefill": ``(state, ids, mask, h_prev, next_ids, next_mask, cache)``, the cache donated),
+        not wrapped in the model's mesh: lower it under ``jax.set_mesh`` (``zoo.tools.compile_report``).
+        ``keep_unused``: the weights a program does not read stay arguments (resident memory)."""
+        impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (6,))}[name]
+        return jax.jit(impl, donate_argnums=donate, keep_unused=keep_unused)
+
+    def abstract_batch(self, rows: int, length: int) -> dict:
+        """The batch state for ``rows`` x ``length`` slots as ShapeDtypeStructs with their shardings
+        on the model's mesh (cache leaves by their logical axes, the rest replicated)."""
+        mesh = getattr(self.model, "mesh", None)
+        shapes = on_mesh(lambda: jax.eval_shape(lambda: self._empty_impl(rows, length)), mesh)()
+        if mesh is None:
+            return shapes
+        replicated = NamedSharding(mesh, PartitionSpec())
+        with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)   # noqa: E731
+        cache = jax.tree.map(with_sharding, shapes["cache"], cache_shardings(shapes["cache"], mesh))
+        rest = {k: jax.tree.map(lambda x: with_sharding(x, replicated), v) for k, v in shapes.items() if k != "cache"}
+        return {"cache": cache, **rest}
+
+    # -- admission ----------------------------------------------------------------------------
+    def cache_bytes(self, rows: int, length: int) -> int:
+        """Bytes of the batch state (cache, carry, params) for ``rows`` x ``length`` slots on one
+        device: on a mesh, each cache leaf counts with its shard shape (the memory budget is one
+        device's), the small carry and params as replicated."""
+        if (rows, length) not in self._cache_bytes:
+            shapes = jax.eval_shape(lambda: self._empty_impl(rows, length))
+            mesh = getattr(self.model, "mesh", None)
+            cache = jax.tree.leaves(shapes["cache"])
+            if mesh is None:
+                shard_shapes = [x.shape for x in cache]
+            else:
+                shardings = jax.tree.leaves(cache_shardings(shapes["cache"], mesh))
+                shard_shapes = [s.shard_shape(x.shape) for x, s in zip(cache, shardings)]
+            rest = jax.tree.leaves({k: v for k, v in shapes.items() if k != "cache"})
+            self._cache_bytes[rows, length] = (
+                sum(int(np.prod(shape)) * x.dtype.itemsize for x, shape in zip(cache, shard_shapes))
+                + sum(x.size * x.dtype.itemsize for x in rest))
+        return self._cache_bytes[rows, length]
+
+    def _plan(self, start: int, n: int, marks=()) -> list[tuple[int, int, int, bool]]:
+        """The prefill pieces of prompt tokens ``start .. n-1``: ``(first, end, width, snapshot)``.
+        Snapshot points: every multiple of ``prefill_chunk`` (shared by other prompts), each of
+        ``marks``, and ``n``. Between two, pieces of the largest power-of-two width that fits, the last
+        right-padded to ``PREFILL_MIN`` (or one piece of the next power of two, when that pads fewer
+        than ``PREFILL_MIN`` tokens: 25 tokens are one piece of 32, not 16 + 16): at most
+        ``PREFILL_MIN - 1`` padding tokens per segment, and only power-of-two widths up to the chunk
+        are ever compiled."""
+        chunk = self.prefill_chunk
+        ends = sorted(set(range(_round_up(start + 1, chunk), n, chunk)) | {m for m in marks if start < m < n} | {n})
+        pieces, a = [], start
+        for end in ends:
+            while a < end:
+                width = min(chunk, max(PREFILL_MIN, 1 << ((end - a).bit_length() - 1)))
+                up = 2 * width                        # one wider piece when its padding is as small
+                if width < end - a and up <= chunk and up - (end - a) < PREFILL_MIN:
+                    width = up
+                e = min(end, a + width)
+                pieces.append((a, e, width, e == end))
+                a = e
+        return pieces
+
+    def _need(self, req: Request, start: int = 0) -> int:
+        """Token slots a request occupies: the widest write of its prefill pieces (from a cached
+        prefix of ``start`` tokens), or its prompt, new tokens and the verify overshoot."""
+        n = len(req.prompt)
+        written = max(a + w for a, _, w, _ in self._plan(start, n, req.cache_marks))
+        return max(written, n + req.max_new_tokens + self.k + 1)
+
+    def _lookup(self, req: Request) -> Snapshot | None:
+        """The longest cached prefix ``req`` may start from (at least one prompt token stays to
+        prefill: its logits give the first token); none when it asks for the prompt's logprobs."""
+        if self.prefix is None or req.prompt_logprobs is not None or len(req.prompt) < 2:
+            return None
+        return self.prefix.lookup(self._rows_io.root, self._key(req), len(req.prompt) - 1)
+
+    def _key(self, req: Request) -> list[int]:
+        """The prefix cache's key of ``req``'s prompt (``image_prefill.cache_tokens`` with images)."""
+        if not req.images:
+            return req.prompt
+        if req.cache_tokens is None:
+            req.cache_tokens = cache_tokens(req.prompt, req.images, self.model.config.image_token_id)
+        return req.cache_tokens
+
+    def _try_admit(self, req: Request) -> bool:
+        """Give ``req`` (and its forks) rows, growing the batch if needed and allowed, and prefill it;
+        False if it must wait for rows to free. The prefix cache's device tier gives way first."""
+        group = [req] + req.forks
+        if len(group) > self.max_batch:
+            raise MemoryError(f"{len(group)} choices need {len(group)} batch rows; the engine has at most "
+                              f"{self.max_batch}")
+        hit = self._lookup(req)
+        free = sum(r is None for r in self._rows)
+        rows = self._B
+        while free + rows - self._B < len(group) and rows < self.max_batch:
+            rows = min(max(MIN_ROWS, 2 * rows), self.max_batch)
+        need = max(self._need(req), self._need(req, hit.length) if hit is not None else 0)
+        length = max(self._L, _round_up(need, CACHE_BUCKET))
+        if free + rows - self._B < len(group):
+            return False
+        if self.cache_bytes(rows, length) > self.memory_budget:
+            if any(self._rows):
+                return False
+            raise MemoryError(f"request needs {self.cache_bytes(len(group), length)} bytes of cache for "
+                              f"{length} slots; the budget is {self.memory_budget}")
+        if self.prefix is not None:                  # the batch first: cached prefixes move to host RAM
+            self.prefix.fit_device(self.memory_budget - self.cache_bytes(rows, length))
+            if hit is not None and not self.prefix.holds(hit):
+                hit = None
+        if (rows, length) != (self._B, self._L):
+            empty = self._empty_fn(rows, length)
+            self._batch = empty if self._batch is None else self._grow_fn(self._batch, empty)
+            self._rows += [None] * (rows - self._B)
+            self._B, self._L = rows, length
+        req.prefix_hit = hit
+        at = []
+        for member in group:
+            at.append(self._rows.index(None))
+            self._rows[at[-1]] = member
+            if member.on_admit is not None:
+                member.on_admit(member)
+        self._prefill_into(group, at)
+        return True
+
+    def _snapshot(self, tokens: list[int], row) -> None:
+        """Cache the state after ``tokens`` (``PrefixRows.store``), then keep the device tier inside
+        what the batch leaves."""
+        self._rows_io.store(tokens, row)
+        self.prefix.fit_device(self.memory_budget - self.cache_bytes(self._B, self._L))
+
+    def _prefill_into(self, group: list[Request], at: list[int]) -> None:
+        """Prefill the shared prompt of ``group`` once (from its cached prefix, if any, then in pieces
+        that end at snapshot points, each cached); each member samples its first token and gets a
+        copy of the row at its index in ``at``."""
+        req = group[0]
+        self.prefills += 1
+        t0 = time.perf_counter()
+        n = len(req.prompt)
+        row = self._empty_fn(1, self._L)
+        cache = row["cache"]
+        h_prev = jnp.zeros((1, self.model.config.hidden_size), self.model.module.dtype)
+        snap = req.prefix_hit
+        start = 0 if snap is None else snap.length
+        if snap is not None:
+            cache, hidden = self._rows_io.restore(snap, cache)
+            if hidden is not None:
+                h_prev = hidden
+        if self.prefix is not None and req.prompt_logprobs is None and n >= 2:
+            self.prefix.stats.hits += snap is not None
+            self.prefix.stats.hit_tokens += start
+            self.prefix.stats.miss_tokens += n - start
+        prompt_top = top_bucket([] if req.prompt_logprobs is None else [req.prompt_logprobs])
+        scored = []                                   # per piece: logprobs of the token after each position
+        prompt = np.asarray(req.prompt, np.int32)
+        images = None if not req.images else self._images.start(self._state, req, start)
+        for a, e, w, snapshot in self._plan(start, n, req.cache_marks):
+            ids = np.zeros((1, w), np.int32)
+            mask = np.zeros((1, w), bool)
+            nxt = np.zeros((1, w), np.int32)
+            ids[0, :e - a], mask[0, :e - a] = prompt[a:e], True
+            nxt[0, :min(e, n - 1) - a] = prompt[a + 1:e + 1]
+            nxt_mask = mask & (np.arange(a, a + w) < n - 1)[None]
+            mm = {} if images is None else {"mm": self._images.piece(images, a, e, w)}   # text: the same program
+            out = self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, top_n=prompt_top, **mm)
+            logits, h_prev, cache = out[:3]
+            if prompt_top is not None:
+                scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
+            if self.prefix is not None and snapshot:
+                self._snapshot(self._key(req)[:e], lambda c=cache, h=h_prev: (c, h if self.k else None))
+        prompt_lps = None
+        if prompt_top is not None:
+            at_pos = {key: np.concatenate([s[key] for s in scored])[:n - 1] for key in scored[0]}
+            prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, req.prompt_logprobs)
+        for member, r in zip(group, at):
+            member.prompt_token_logprobs = prompt_lps
+            member.stats.update(prompt_tokens=n, cached_tokens=start, drafted=0, accepted=0,
+                                accepted_by_position=[0] * self.k, steps=0)
+            if member.max_new_tokens == 0:            # prompt logprobs only: no row kept
+                member.stats["time_to_first_token"] = time.perf_counter() - t0
+                self._finish(member, "length")
+                continue
+            self._start_row(member, r, logits, h_prev, cache)
+            member.stats["time_to_first_token"] = time.perf_counter() - t0
+
+    def _start_row(self, req: Request, r: int, logits, h_last, cache) -> None:
+        """Sample ``req``'s first token from the prefill's last ``logits`` (masked by its grammar) and
+        put the prefilled ``cache`` with its carry and parameters into row ``r``."""
+        params = {"temperature": np.float32([req.temperature]), "top_k": np.int32([req.top_k]),
+                  "top_p": np.float32([req.top_p]), "seed": np.uint32([req.seed & 0xFFFFFFFF]),
+                  "step": np.int32([1])}
+        mask = None
+        if req.constraint is not None:
+            mask = np.full((1, self._mask_words), -1, np.int32)
+            req.constraint.fill(mask)
+        first_top = top_bucket([] if req.logprobs is None else [req.logprobs])
+        first = self._first_fn(logits, params, top_n=first_top, mask=mask)
+        first_lp = None
+        if first_top is not None:
+            first, out = first
+        if int(first[0]) < 0:
+            raise FloatingPointError("the model's logits for this prompt are not finite (NaN or inf)")
+        if first_top is not None:
+            first_lp = records([int(first[0])], {key: v[0] for key, v in to_numpy(out).items()}, req.logprobs)
+        self._batch = self._place_fn(self._batch, cache, first, h_last, params, r)
+        req.raw.append(int(first[0]))
+        self._deliver(req, [int(first[0])], first_lp)
+
+    # -- stepping -----------------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        self.check(req)
+        req.stats.setdefault("submitted", time.perf_counter())
+        with self._lock:
+            self._waiting.append(req)
+        self._wakeup.set()
+        return req
+
+    def check(self, req: Request) -> None:
+        """``ValueError`` for a request ``submit`` refuses (before it is queued anywhere)."""
+        if not req.prompt:
+            raise ValueError("a request needs at least one prompt token")
+        if req.max_new_tokens < (0 if req.prompt_logprobs is not None else 1):
+            raise ValueError("max_new_tokens must be >= 1 (0 only with prompt_logprobs)")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(req, name)
+            if n is not None and not 0 <= n <= MAX_TOP:
+                raise ValueError(f"{name} must be in 0..{MAX_TOP}, got {n}")
+        check_images(self.model, req.prompt, req.images)      # a text-only model, runs not matching
+
+    def cancel(self, req: Request) -> None:
+        """Ask the engine to stop ``req`` (thread-safe); it finishes as "cancelled" at the next step
+        and its row is freed."""
+        req.cancelled = True
+        self._wakeup.set()
+
+    def run_forever(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """The engine thread's loop: step while there is work, sleep until a submit otherwise."""
+        while not stop.is_set():
+            if not self.step():
+                self._wakeup.wait(idle_wait)
+                self._wakeup.clear()
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(self._rows)
+
+    def step(self) -> bool:
+        """Admit waiting requests, then run one decode step for every active row. False if idle.
+
+        Faults stay with the request they belong to: an exception while admitting or prefilling a
+        request, or while handling its tokens, and a row whose logits are not finite, fail that
+        request (``_fail``) and the others go on. An exception from the step program itself fails
+        every running request and the batch is rebuilt for the next ones (``_fail_batch``)."""
+        for r, req in enumerate(self._rows):
+            if req is not None and req.cancelled:
+                self._finish(req, "cancelled")
+        self._admit_waiting()
+        active = np.array([r is not None for r in self._rows], bool)
+        if not active.any():
+            return bool(self._waiting)
+        force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
+        cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
+        top_n = top_bucket([r.logprobs for r in self._rows if r is not None and r.logprobs is not None])
+        args = (jnp.asarray(active), jnp.asarray(force), jnp.asarray(cap))
+        self.steps += 1
+        try:
+            if any(r is not None and r.constraint is not None for r in self._rows):
+                out = self._masked_step(*args, top_n=top_n)
+            else:
+                out = self._step_fn(self._state, self._batch, *args, top_n=top_n)
+            self._batch, tokens, counts = out[:3]
+            tokens, counts = host_value(tokens), host_value(counts)
+            scored = to_numpy(out[3]) if top_n is not None else None
+        except Exception as e:
+            self._fail_batch(e)
+            return True
+        for r, req in enumerate(self._rows):
+            if req is None:
+                continue
+            try:
+                if counts[r] < 0:
+                    raise FloatingPointError("the model's logits for this request are not finite (NaN or inf)")
+                row_scores = None if scored is None else {key: v[r] for key, v in scored.items()}
+                self._take_step(req, tokens[r, :counts[r]].tolist(), row_scores, bool(force[r] >= 0))
+            except Exception as e:
+                self._fail(req, e)
+        return True
+
+    def _admit_waiting(self) -> None:
+        """Admit waiting requests in order while rows and memory allow (see ``step`` on faults)."""
+        while self._waiting:
+            with self._lock:
+                req = self._waiting[0]
+            group = [req] + req.forks
+            if all(m.cancelled for m in group):
+                with self._lock:
+                    self._waiting.popleft()
+                for m in group:
+                    self._finish(m, "cancelled")
+                continue
+            try:
+                admitted = self._try_admit(req)
+            except Exception as e:
+                with self._lock:
+                    self._waiting.popleft()
+                if self._batch is not None and any(x.is_deleted() for x in jax.tree.leaves(self._batch)):
+                    self._fail_batch(e, group)      # a device program failed holding the batch
+                    continue
+                for m in group:                     # MemoryError: it can never fit (400); else 500
+                    self._fail(m, e, status=400 if isinstance(e, MemoryError) else 500)
+                continue
+            if not admitted:
+                break
+            with self._lock:
+                self._waiting.popleft()
+
+    def _take_step(self, req: Request, new: list[int], scored: dict | None, forced: bool) -> None:
+        """Record one step's tokens ``new`` of ``req`` (``scored``: their logprob leaves) and deliver them."""
+        recs = records(new, scored, req.logprobs) if req.logprobs is not None else None
+        req.stats["steps"] += 1
+        req.raw.extend(new)
+        if forced:
+            req.forcing.popleft()
+            req.stats["forced"] = req.stats.get("forced", 0) + 1
+        elif self.k:
+            req.stats["drafted"] += self.k
+            req.stats["accepted"] += len(new) - 1
+            for i in range(len(new) - 1):
+                req.stats["accepted_by_position"][i] += 1
+        self._deliver(req, new, recs, forced=forced)
+
+    def _fail(self, req: Request, e: BaseException, status: int = 500, logged: bool = False) -> None:
+        """End ``req`` with an error (``status`` 400: it can never be served here; 500: the engine
+        failed on it); its row is freed and nothing of it is cached."""
+        if status >= 500:
+            if not logged:
+                log.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
+            self.faults["failed_requests"] += 1
+            self.faults["last_error"] = f"{type(e).__name__}: {e}"
+        req.stats["error"] = str(e) if isinstance(e, MemoryError) else f"{type(e).__name__}: {e}"
+        req.stats["error_status"] = status
+        self._finish(req, "error")
+
+    def _fail_batch(self, e: BaseException, also: Sequence[Request] = ()) -> None:
+        """The step (or a program holding the batch) failed: fail every running request (and
+        ``also``), drop the batch, and start the next requests on a new one."""
+        if self.on_step_failure is not None:    # a replicated engine first learns whether a process is lost
+            self.on_step_failure(e)
+        log.error("the decode step failed; failing %d running request(s) and rebuilding the batch",
+                  sum(r is not None for r in self._rows), exc_info=e)
+        self.faults["failed_steps"] += 1
+        for req in [r for r in self._rows if r is not None] + [m for m in also if m not in self._rows]:
+            self._fail(req, e, logged=True)
+        self._rows, self._batch, self._B, self._L = [], None, 0, 0
+
+    def _masked_step(self, active, force, cap, top_n):
+        """The step split around the host's token bitmasks (``zoo.engine.masked_step``); returns
+        what ``_step_fn`` returns."""
+        p = self._masked
+        masks = np.full((self._B, self.k + 1, self._mask_words), -1, np.int32)
+        if not self.k:
+            batch, logits = p.logits(self._state, self._batch, active)      # dispatched, runs meanwhile
+            self._fill_masks(masks)
+            return p.pick(batch, logits, active, force, jnp.asarray(masks[:, :1]), top_n=top_n)
+        batch, drafts, q, x_m = p.draft(self._state, self._batch, active)
+        host_drafts = host_value(drafts)
+        batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active)
+        self._fill_masks(masks, host_drafts)
+        return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap,
+                        jnp.asarray(masks), top_n=top_n)
+
+    def _fill_masks(self, masks: np.ndarray, drafts: np.ndarray | None = None) -> None:
+        """Each constrained row's masks into ``masks`` [B, T, W] (the others stay all-allowed): one
+        position from the matcher's state (in parallel over rows), or with ``drafts`` [B, k] one
+        per verify position."""
+        rows = [(r, req.constraint) for r, req in enumerate(self._rows)
+                if req is not None and req.constraint is not None and not req.forcing]
+        if drafts is not None:
+            for r, c in rows:
+                c.fill(masks[r], drafts[r])
+            return
+        armed = [(c.matcher, r * masks.shape[1]) for r, c in rows if c.armed]
+        if armed:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            fill_next_token_bitmask_par(self._executor, armed, masks.reshape(-1, masks.shape[-1]))
+
+    def _room(self, req: Request) -> int:
+        """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""
+        room = min(self.k + 1, req.max_new_tokens - len(req.tokens))
+        thinking = None if req.thinking is None else req.thinking.room()
+        return max(1, room if thinking is None else min(room, thinking))
+
+    def _deliver(self, req: Request, new: list[int], recs: list[TokenLogprob] | None = None,
+                 forced: bool = False) -> None:
+        """Append sampled tokens (and their logprob records, aligned), applying stop ids, stop
+        strings, the length limit and the output grammar (``forced``: tokens the engine forced)."""
+        if req.finish_reason is not None:
+            return
+        accepted, stopped = [], False
+        for tok in new:
+            if tok in req.stop_ids:
+                stopped = True
+                break
+            accepted.append(tok)
+            if len(req.tokens) + len(accepted) >= req.max_new_tokens:
+                break
+        c = req.constraint
+        if c is not None:
+            accepted = accepted[:c.advance(accepted, forced)]
+        self._emit(req, accepted, recs)
+        if c is not None and c.error is not None:
+            req.stats["error"] = c.error
+            return self._finish(req, "error")
+        if stopped or (c is not None and c.complete):
+            return self._finish(req, "stop")
+        if req.thinking is not None:
+            req.forcing.extend(req.thinking.observe(accepted))
+        if req.stop_strings and self._cut_at_stop_string(req):
+            return self._finish(req, "stop")
+        if len(req.tokens) >= req.max_new_tokens:
+            self._finish(req, "length")
+
+    def _emit(self, req: Request, tokens: list[int], recs: list[TokenLogprob] | None = None) -> None:
+        if tokens:
+            if recs is not None:
+                req.token_logprobs.extend(recs[:len(tokens)])
+            req.tokens.extend(tokens)
+            if req.on_tokens is not None:
+                req.on_tokens(req, tokens)
+
+    def _cut_at_stop_string(self, req: Request) -> bool:
+        tok = self.model.tokenizer
+        text = tok.decode(req.tokens)
+        hits = [text.find(s) for s in req.stop_strings if s in text]
+        if not hits:
+            return False
+        cut = min(hits)
+        while req.tokens and len(tok.decode(req.tokens)) > cut:
+            req.tokens.pop()
+        del req.token_logprobs[len(req.tokens):]
+        return True
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        if req in self._rows:
+            r = self._rows.index(req)
+            if self.prefix is not None and req.raw and req.finish_reason != "error":   # a failed row's state
+                try:                                                                     # may be broken
+                    consumed = (self._key(req) + req.raw)[:len(req.prompt) + len(req.raw) - 1]   # last: pending
+                    self._snapshot(consumed, lambda: self._rows_io.row(self._state, self._batch, jnp.int32(r)))
+                except Exception:
+                    log.exception("caching a finished request's prefix failed; not cached")
+            self._rows[r] = None
+        now = time.perf_counter()
+        req.stats.update(generated_tokens=len(req.tokens), seconds=now - req.stats.get("submitted", now))
+        first = not req.done.is_set()
+        req.done.set()
+        if first and req.on_finish is not None:
+            try:
+                req.on_finish(req)
+            except Exception:
+                log.exception("a request's on_finish callback failed")
+
+    # -- Python API ---------------------------------------------------------------------------
+    def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
+                     top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None,
+                     thinking_budget: int | None = None, thinking_opened: bool = False,
+                     logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
+                     grammar: OutputGrammar | None = None, constraints: Sequence[Constraint] | None = None,
+                     cache_marks: Sequence[int] = (), images: Sequence[ImageInput] = ()) -> Request:
+        """``thinking_budget``: reasoning tokens after which ``</think>`` is forced (see
+        ``zoo.engine.thinking_budget``); ``thinking_opened``: the prompt ends inside ``<think>``.
+        ``logprobs`` / ``prompt_logprobs``: report log-probabilities of the generated / prompt tokens
+        with that many alternatives each (None: not computed; see the module doc). ``n``: choices of
+        the prompt (the first is returned, the others in its ``forks``; choice i samples with
+        ``fork_seed(seed, i)``). ``grammar``: constrain the output (a ``Constraint`` per choice is
+        built from it), or ``constraints``: ready ones, one per choice. ``cache_marks``: prompt
+        positions where the prefix cache should keep a snapshot (the prompt's end always gets one).
+        ``images``: the prompt's images (``ImageInput``), each filling its run of placeholder ids."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        bad = [t for t in prompt if not 0 <= int(t) < self.vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0 .. {self.vocab - 1})")
+        top_k = min(int(top_k), self.vocab)          # top_k >= vocabulary size keeps every token: the same
+        if constraints is None and grammar is not None:
+            constraints = [self.constraint(grammar) for _ in range(n)]
+        if constraints is not None and len(constraints) != n:
+            raise ValueError(f"{len(constraints)} constraints for {n} choices")
+        stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
+        strings = tuple(s for s in stop if isinstance(s, str))
+        if strings and self.model.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        ids = frozenset(int(s) for s in stop if not isinstance(s, str)) | self.eos_token_ids
+        group = []
+        for i in range(n):
+            thinking = None if thinking_budget is None else self.thinking_budget(thinking_budget, thinking_opened)
+            group.append(Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
+                                 int(top_k), fork_seed(int(seed), i), ids, strings, on_tokens, on_finish, on_admit,
+                                 thinking, logprobs=logprobs, prompt_logprobs=prompt_logprobs, choice=i,
+                                 constraint=None if constraints is None else constraints[i],
+                                 cache_marks=tuple(sorted(int(m) for m in cache_marks)), images=tuple(images)))
+        group[0].forks = group[1:]
+        return group[0]
+
+    def constraint(self, grammar: OutputGrammar) -> Constraint:
+        """A fresh ``Constraint`` for one request's output (compiles ``grammar`` with this model's
+        vocabulary: the caller may want it off a latency-sensitive thread)."""
+        tok = self.model.tokenizer
+        if tok is None:
+            raise ValueError("an output grammar needs a tokenizer; this model has none")
+        return Constraint(llg_tokenizer(tok, self.vocab, self.eos_token_ids), grammar.grammar,
+                          wait=grammar.wait, rearm=grammar.rearm, reasoning=grammar.reasoning)
+
+    def thinking_budget(self, budget: int, opened: bool = False) -> ThinkingBudget:
+        """A ``ThinkingBudget`` with this model's ``<think>`` / ``</think>`` token ids."""
+        tok = self.model.tokenizer
+        if tok is None:
+            raise ValueError("a thinking budget needs a tokenizer; this model has none")
+        return ThinkingBudget(int(budget), open=tuple(tok.encode("<think>")), close=tuple(tok.encode("</think>")),
+                              insert=tuple(tok.encode("\n</think>\n\n")), opened=opened)
+
+    def generate(self, input_ids, **kwargs) -> list[Generation]:
+        """Generations for each prompt of ``input_ids`` (with ``n``: its n choices in turn)."""
+        reqs = [m for p in input_ids for r in [self.submit(self.make_request(p, **kwargs))] for m in [r] + r.forks]
+        if not reqs:
+            raise ValueError("no prompts given")
+        while not all(r.done.is_set() for r in reqs):
+            self.step()
+        return [r.result() for r in reqs]
+
+    def stream(self, prompt: Sequence[int], **kwargs) -> Iterator[int]:
+        out: collections.deque[int] = collections.deque()
+        req = self.submit(self.make_request(prompt, on_tokens=lambda _, toks: out.extend(toks), **kwargs))
+        try:
+            while not req.done.is_set() or out:
+                while out:
+                    yield out.popleft()
+                if not req.done.is_set():
+                    self.step()
+        finally:
+            self.cancel(req)

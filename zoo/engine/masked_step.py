@@ -1,0 +1,100 @@
+"""The decode step split around the host's token bitmasks, for batches where some row is constrained.
+
+A plain step is one program (``Generator._step_impl``). When a row has a ``Constraint``, its mask
+for this step depends on every token it emitted, and the host computes it with llguidance; so the
+step is cut where the logits exist, the host fills the masks while the device runs the first part
+(JAX dispatches asynchronously), and the second part masks and samples::
+
+    plain:  logits(state, batch, active)                  -> batch (cache advanced), logits [B, 1, V]
+            host: masks [B, 1, W] from the constraints    (overlaps the forward)
+            pick(batch, logits, active, force, masks)     -> batch, tokens [B, 1], n [B]
+    MTP:    draft(state, batch, active)                   -> batch, drafts [B, k], q [B, k, V], x_m [B]
+            host: reads the drafts (small)
+            verify(state, batch, x_m, drafts, active)     -> batch, p_logits [B, k+1, V], h, before
+            host: masks [B, k+1, W], drafts consumed tentatively (overlaps the verify forward)
+            settle(state, batch, before, p_logits, h, q, drafts, active, force, cap, masks)
+                                                          -> batch, tokens [B, k+1], n [B]
+
+The parts compute exactly what the fused step computes (same keys, same order); with all-ones
+masks the tokens are the fused step's. As there, a row whose logits are not finite comes back
+with n = -1 (``sampling.flag_nonfinite``). Each program takes a static ``top_n`` (log-probabilities,
+``zoo.engine.logprobs``, from the unmasked target logits) where it produces tokens. Rows without a
+constraint get all-ones masks; a batch without any constrained row never comes here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.engine import speculative
+from zoo.engine.logprobs import token_logprobs
+from zoo.engine.sampling import flag_nonfinite, row_keys, sample
+from zoo.engine.token_mask import apply_token_mask
+from zoo.sharding.cache_axes import shard_cache
+from zoo.sharding.mesh import on_mesh
+
+
+def pick_next(tok: jax.Array, params: dict, logits: jax.Array, active: jax.Array, force: jax.Array,
+              masks: jax.Array | None = None):
+    """A plain decode step's sampling: the next token [B] from ``logits`` [B, V] (masked by ``masks``
+    [B, W] if given), ``force`` >= 0 overriding it; inactive rows keep ``tok`` as their carry.
+    Returns (carry ``{"tok": [B]}``, new [B])."""
+    if masks is not None:
+        logits = apply_token_mask(logits, masks)
+    new = sample(logits, row_keys(params), params["temperature"], params["top_k"], params["top_p"])
+    new = jnp.where(force >= 0, force, new)
+    return {"tok": jnp.where(active, new, tok)}, new
+
+
+class MaskedPrograms:
+    """The jitted parts (see the module doc) for a model split into ``graphdef`` + state, with
+    ``k`` MTP drafts per step (0: plain). The batch is donated to each part."""
+
+    def __init__(self, graphdef, k: int, mesh=None):
+        self._graphdef, self.k = graphdef, k
+        jit = lambda f, **kw: on_mesh(jax.jit(f, donate_argnums=(1,), **kw), mesh)   # noqa: E731
+        self.logits = jit(self._logits)
+        self.draft = jit(self._draft)
+        self.verify = jit(self._verify)
+        self.pick = on_mesh(jax.jit(self._pick, donate_argnums=(0,), static_argnames=("top_n",)), mesh)
+        self.settle = jit(self._settle, static_argnames=("top_n",))
+
+    def _model(self, state):
+        return nnx.merge(self._graphdef, state)
+
+    def _logits(self, state, batch, active):
+        logits, _, cache = self._model(state)(batch["carry"]["tok"][:, None], active[:, None], batch["cache"])
+        return {**batch, "cache": shard_cache(cache)}, logits
+
+    @staticmethod
+    def _pick(batch, logits, active, force, masks, top_n: int | None = None):
+        params = batch["params"]
+        carry, new = pick_next(batch["carry"]["tok"], params, logits[:, 0], active, force, masks[:, 0])
+        batch = {**batch, "carry": carry, "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
+        out = (batch, new[:, None], flag_nonfinite(active.astype(jnp.int32), logits))
+        return out + (token_logprobs(logits, new[:, None], top_n),) if top_n is not None else out
+
+    def _draft(self, state, batch, active):
+        params = batch["params"]
+        cache, drafts, q, x_m = speculative.draft(self._model(state), batch["cache"], batch["carry"], active,
+                                                  row_keys(params), params, self.k)
+        return {**batch, "cache": shard_cache(cache)}, drafts, q, x_m
+
+    def _verify(self, state, batch, x_m, drafts, active):
+        p_logits, h, cache, before = speculative.verify(self._model(state), batch["cache"], x_m, drafts, active)
+        # not pinned: the recurrent layers keep one state per verify position here ([B, k+1, ...], not
+        # the cache's declared axes) until ``settle`` rolls back to one
+        return {**batch, "cache": cache}, p_logits, h, before
+
+    def _settle(self, state, batch, before, p_logits, h, q, drafts, active, force, cap, masks,
+                top_n: int | None = None):
+        params, carry = batch["params"], batch["carry"]
+        cache, pending, tokens, n = speculative.settle(self._model(state), batch["cache"], before, p_logits, h, q,
+                                                       drafts, active, row_keys(params), params, force, cap, masks)
+        pending = {**pending, "h": pending["h"].astype(carry["h"].dtype)}
+        batch = {"cache": shard_cache(cache), "carry": pending,
+                 "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
+        out = (batch, tokens, flag_nonfinite(n, p_logits))
+        return out + (token_logprobs(p_logits, tokens, top_n),) if top_n is not None else out

@@ -1,0 +1,208 @@
+"""One engine over several processes: process 0 (the leader) decides, the others (followers) replay.
+
+Every process of a multi-process job (``zoo.distributed``) holds the same ``Generator`` over the same
+global model, and must run the same device programs in the same order. The generator's host logic is
+deterministic given what it is told before each step: which requests arrived (their prompt ids,
+sampling parameters, seed, stop ids and strings, grammar, thinking budget, choices) and which were
+cancelled. So the leader publishes that, per step, through JAX's distributed key-value store, and
+each follower applies it to its own generator and steps::
+
+    leader                                   follower
+    submit / cancel (any thread): queued      loop: plan n = get("zoo/plan/n") (blocks)
+    step n: plan = the queue; put plan n            apply its submits and cancels
+            apply it; Generator.step()              Generator.step()
+    close: put a plan with "stop"            ends on a plan with "stop"
+
+Only the leader's requests have callbacks (it serves HTTP); a follower's copies only drive its
+programs. Plans are JSON; a request's arguments are ``Generator.make_request``'s, minus callbacks
+(an output grammar travels as its ``OutputGrammar``; each process compiles its own matcher).
+
+``Leader`` has the generator methods the server's engine thread uses (``make_request``, ``submit``,
+``cancel``, ``run_forever``, ``faults``, ...), so ``zoo serve`` puts it where a ``Generator`` would
+be; ``zoo.engine.replica_watch`` keeps the processes' liveness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+from zoo.engine.constraint import OutputGrammar
+
+PLAN_KEY = "zoo/plan"
+REPLAYED_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "thinking_budget",
+                 "thinking_opened", "logprobs", "prompt_logprobs", "n", "cache_marks")
+
+
+class Channel:
+    """Plans by step number over the job's key-value store (``jax.distributed``)."""
+
+    def __init__(self, client=None, prefix: str = PLAN_KEY):
+        if client is None:
+            from jax._src.distributed import global_state
+            client = global_state.client
+            if client is None:
+                raise RuntimeError("the distributed runtime is not running (zoo.distributed.initialize)")
+        self.client, self.prefix = client, prefix
+
+    def put(self, n: int, plan: dict) -> None:
+        self.client.key_value_set_bytes(f"{self.prefix}/{n}", json.dumps(plan).encode())
+
+    def get(self, n: int, timeout_s: float) -> dict:
+        return json.loads(self.client.blocking_key_value_get_bytes(f"{self.prefix}/{n}", int(timeout_s * 1000)))
+
+    def poll(self, n: int, timeout_s: float | None, poll_s: float = 1.0) -> dict:
+        """Plan ``n``, waiting up to ``timeout_s`` (None: for ever) in waits of ``poll_s``; the leader
+        may idle for hours. Past ``timeout_s``, ``TimeoutError``; a lost coordinator (the leader's
+        process is gone) raises what the runtime raised."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = poll_s if deadline is None else max(0.001, min(poll_s, deadline - time.monotonic()))
+            try:
+                return self.get(n, wait)
+            except Exception as e:                     # the runtime's status errors are plain exceptions
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no plan {n} from the leader within {timeout_s} s")
+
+    def drop_below(self, n: int, start: int) -> None:
+        """Delete plans ``start`` .. ``n - 1`` (every process has applied them)."""
+        for i in range(start, n):
+            self.client.key_value_delete(f"{self.prefix}/{i}")
+
+
+def request_args(prompt, kwargs: dict) -> dict:
+    """The JSON-able arguments of a ``make_request`` call (callbacks dropped)."""
+    if kwargs.get("images"):              # the followers would prefill without them and drift from process 0
+        raise ValueError("images are not served over several processes yet: serve the model on one host "
+                         "for image requests")
+    out = {"prompt": [int(t) for t in prompt]}
+    for key in REPLAYED_ARGS:
+        if key in kwargs:
+            value = kwargs[key]
+            out[key] = list(value) if isinstance(value, tuple) else value
+    grammar = kwargs.get("grammar")
+    if kwargs.get("constraints") is not None and grammar is None:
+        raise ValueError("a replicated request's constraints need their grammar (the followers build their own)")
+    if grammar is not None:
+        out["grammar"] = dataclasses.asdict(grammar)
+    return out
+
+
+def _grammar(d: dict | None) -> OutputGrammar | None:
+    if d is None:
+        return None
+    reasoning = d.get("reasoning")
+    return OutputGrammar(d["grammar"], tuple(tuple(w) for w in d.get("wait", ())),
+                         None if d.get("rearm") is None else tuple(d["rearm"]),
+                         None if reasoning is None else (reasoning[0], tuple(reasoning[1])))
+
+
+class Leader:
+    """Process 0's side: the engine's ``make_request`` / ``submit`` / ``cancel`` / ``step`` with every
+    step's arrivals and cancellations published first (see the module doc). A request's id in the
+    plans is ``req.replica_id``, given at submit (its other choices share it)."""
+
+    def __init__(self, generator, channel: Channel):
+        self.gen, self.channel = generator, channel
+        self.n = 0
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, object]] = []     # ("submit" | "cancel", request) since the last step
+        self._next_id = 0
+        self.closed = False
+
+    # what the server reads off a generator
+    vocab = property(lambda self: self.gen.vocab)
+    faults = property(lambda self: self.gen.faults)
+    prefix = property(lambda self: self.gen.prefix)
+
+    def constraint(self, grammar):
+        return self.gen.constraint(grammar)
+
+    def make_request(self, prompt, **kwargs):
+        args = request_args(prompt, kwargs)             # refuses what cannot be replayed, before building
+        req = self.gen.make_request(prompt, **kwargs)
+        req.replica_args = args
+        return req
+
+    def submit(self, req):
+        if self.closed:
+            raise RuntimeError("the replicated engine is closed")
+        self.gen.check(req)                             # refused here (a 400), not at the step, on every process
+        with self._lock:
+            for member in [req] + req.forks:
+                member.replica_id = self._next_id
+            self._next_id += 1
+            self._events.append(("submit", req))
+        self.gen._wakeup.set()
+        return req
+
+    def cancel(self, req) -> None:
+        with self._lock:
+            if getattr(req, "replica_id", None) is not None:
+                self._events.append(("cancel", req))
+            else:                                       # never published: only this process has it
+                self.gen.cancel(req)
+        self.gen._wakeup.set()
+
+    def has_work(self) -> bool:
+        return bool(self._events) or self.gen.has_work()
+
+    def step(self) -> bool:
+        with self._lock:
+            events, self._events = self._events, []
+        self.channel.put(self.n, {"events": [
+            {"submit": r.replica_id, "args": r.replica_args} if kind == "submit"
+            else {"cancel": r.replica_id, "choice": r.choice} for kind, r in events]})
+        self.n += 1
+        for kind, req in events:
+            (self.gen.submit if kind == "submit" else self.gen.cancel)(req)
+        return self.gen.step()
+
+    def run_forever(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """The engine thread's loop (``Generator.run_forever``'s): step while there is work (an idle
+        leader publishes nothing); at the end the followers are told to stop."""
+        try:
+            while not stop.is_set():
+                if not self.has_work() or not self.step():
+                    self.gen._wakeup.wait(idle_wait)
+                    self.gen._wakeup.clear()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Tell the followers to stop (once)."""
+        if not self.closed:
+            self.closed = True
+            self.channel.put(self.n, {"stop": True})
+
+
+class Follower:
+    """A follower process's side: replay the leader's plans on ``generator`` until one says stop."""
+
+    def __init__(self, generator, channel: Channel):
+        self.gen, self.channel = generator, channel
+        self.reqs: dict[int, object] = {}
+        self.n = 0                                      # plans applied
+
+    def run(self, timeout_s: float | None = None) -> int:
+        """Replay until the leader stops (``timeout_s``: the longest wait for one plan; None: no
+        limit, the leader may idle); returns the steps replayed."""
+        while True:
+            plan = self.channel.poll(self.n, timeout_s)
+            if plan.get("stop"):
+                return self.n
+            for e in plan["events"]:
+                if "submit" in e:
+                    args = dict(e["args"])
+                    prompt, grammar = args.pop("prompt"), _grammar(args.pop("grammar", None))
+                    self.reqs[e["submit"]] = self.gen.submit(self.gen.make_request(prompt, grammar=grammar, **args))
+                elif e["cancel"] in self.reqs:
+                    first = self.reqs[e["cancel"]]
+                    self.gen.cancel(([first] + first.forks)[e.get("choice", 0)])
+            self.gen.step()
+            self.n += 1
+            self.reqs = {i: r for i, r in self.reqs.items() if not all(m.done.is_set() for m in [r] + r.forks)}

@@ -1,0 +1,66 @@
+"""The engine's small programs and sizes around a batch's rows (``zoo.engine.generator``): the memory
+budget of the caches, the first token of a prefilled request, placing it into a row, growing a batch.
+
+    default_memory_budget()                          bytes the caches may use
+    first_token(logits [B, V], params, top_n, mask)  the token [B] after a prefill (-1: broken logits)
+    place(batch, cache, first [1], h_last [1, D], params, r, k)   a prefilled request into row r
+    embed(old, new)                                  a batch copied into a larger one's leading corner
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.engine.logprobs import token_logprobs
+from zoo.engine.sampling import row_keys, sample
+from zoo.engine.token_mask import apply_token_mask
+
+
+def default_memory_budget() -> int:
+    """Bytes the caches may use: 80% of the free accelerator memory, or a quarter of host RAM; with
+    several processes the least of theirs (admission decides alike in every process)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        budget = int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    else:
+        budget = int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+    return budget
+
+
+def embed(old, new):
+    """Copy every leaf of ``old`` into the leading corner of the same leaf of ``new``."""
+    return jax.tree.map(lambda o, n: n.at[tuple(slice(0, d) for d in o.shape)].set(o.astype(n.dtype)), old, new)
+
+
+def place(batch: dict, cache, first: jax.Array, h_last: jax.Array, params: dict, r, k: int) -> dict:
+    """A prefilled request into row ``r`` of ``batch``: its ``cache`` (one row), its carry from its
+    first token ``first`` [1] (and, with ``k`` MTP drafts, the prefill's last hidden state ``h_last``
+    [1, D] as its one pending MTP row), its sampling ``params`` ([1] leaves)."""
+    if k:
+        h = jnp.zeros((1, k + 1, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+        tok = jnp.zeros((1, k + 1), jnp.int32).at[:, 0].set(first)
+        carry = {"h": h, "tok": tok, "n": jnp.ones((1,), jnp.int32)}
+    else:
+        carry = {"tok": first}
+    row = {"cache": cache, "carry": carry, "params": params}
+    return jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row)
+
+
+def first_token(logits: jax.Array, params: dict, top_n: int | None = None, mask: jax.Array | None = None):
+    """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0; -1 where they are not
+    finite), masked by ``mask``
+    [B, W] if given; with ``top_n``, also its ``token_logprobs`` ([B, 1] leaves, unmasked logits)."""
+    keys = row_keys({**params, "step": jnp.zeros_like(params["step"])})
+    masked = logits if mask is None else apply_token_mask(logits, mask)
+    tok = sample(masked, keys, params["temperature"], params["top_k"], params["top_p"])
+    tok = jnp.where(jnp.isfinite(logits).all(axis=-1), tok, -1)     # -1: the prefill's logits are broken
+    if top_n is None:
+        return tok
+    return tok, token_logprobs(logits[:, None], tok[:, None], top_n)

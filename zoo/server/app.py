@@ -1,0 +1,217 @@
+"""The bundled OpenAI- and Anthropic-compatible server.
+
+``create_app(model, ...)`` builds a FastAPI app over one ``Generator``: its engine thread starts and
+stops with the app; the OpenAI (``openai_api``) and Anthropic (``anthropic_api``) surfaces are
+thin adapters over ``chat.Service``; ``tokenize_api`` adds vLLM's ``/tokenize`` and ``/detokenize``.
+The app also answers ``GET``/``HEAD /health`` (no key needed; 503 while draining or once the engine
+stopped) and ``GET /metrics`` (Prometheus text). Request bodies are limited in size and in how long
+they may stall (``transport.BodyLimit``). ``serve`` runs the app with uvicorn (``transport``: request-head
+and keep-alive deadlines, a drain on SIGTERM); ``ServerThread`` runs it in a background thread (tests,
+notebooks).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from zoo.engine.generator import PREFILL_CHUNK, Generator
+from zoo.models.architectures import ARCHITECTURES
+from zoo.server import transport
+from zoo.server.engine_thread import EngineThread
+from zoo.server.image_inputs import ImagePolicy, VisionInputs
+from zoo.server.metrics import CountRequests, Metrics
+from zoo.server.protocols import anthropic_api, openai_api, responses_api, tokenize_api
+from zoo.server.service import Service
+from zoo.server.transport import BodyLimit, DrainingServer, bind, error_response
+from zoo.server.validation import ApiError
+from zoo.text.tool_calls import PARSERS, detect_format
+
+log = logging.getLogger("zoo.serve")
+
+
+def _error_response(request: Request, err: ApiError) -> JSONResponse:
+    """``err`` in the error schema of the API the path belongs to."""
+    return error_response(request.url.path, err)
+
+
+def _require_key(api_key: str | None):
+    """A dependency: the request carries ``api_key`` as ``Authorization: Bearer`` or ``x-api-key``."""
+    expected = (api_key or "").encode()
+
+    async def check(request: Request) -> None:
+        if not api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        given = [request.headers.get("x-api-key", ""), auth[7:].strip() if auth[:7].lower() == "bearer " else ""]
+        if not any(hmac.compare_digest(g.encode(), expected) for g in given):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                           code="invalid_api_key")
+    return check
+
+
+def tool_format_of(arch: str | None, chat_template: str | None) -> str | None:
+    """The tool-call format a model writes: from its chat template's markers, else its architecture's
+    row of the table (None: unknown, tool calls are not parsed)."""
+    known = ARCHITECTURES.get(arch or "")
+    return detect_format(chat_template) or (known.tool_format if known is not None else None)
+
+
+def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_batch: int = 16,
+               prefill_chunk: int = PREFILL_CHUNK,
+               max_queue: int = 64, queue_timeout_s: float = 60.0, keepalive_s: float = 15.0,
+               model_name: str | None = None, tool_format: str | None = "auto", default_max_tokens: int = 4096,
+               memory_budget: int | None = None, thinking_budget: int | None = None,
+               prefix_cache_gb: float | None = None, prefix_cache_host_gb: float | None = None,
+               max_body_bytes: int = transport.MAX_BODY_BYTES,
+               body_timeout_s: float | None = transport.BODY_TIMEOUT_S, replica=None,
+               image_policy: ImagePolicy | None = None) -> FastAPI:
+    """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
+
+    api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
+    length. max_batch: rows decoded together. prefill_chunk: prompt tokens per prefill program (a power
+    of two; ``zoo compile`` reports the largest a target chip leaves room for). max_queue: requests that
+    may wait for a row (more: 429); queue_timeout_s: how long one may wait (then 503). keepalive_s:
+    silence after which a stream gets a keep-alive comment / ping. tool_format: "qwen", "glm", None
+    (tool calls are not parsed) or "auto" (from the chat template, else ``model.config.arch``).
+    thinking_budget: reasoning tokens after which "</think>" is forced into a chat request's output
+    (None: unlimited); an Anthropic ``thinking.budget_tokens`` or OpenAI ``thinking_budget`` field
+    of a request takes its place. prefix_cache_gb / prefix_cache_host_gb: the prefix cache's device
+    and host-RAM tiers in GiB (None: the defaults of ``Generator``; ``prefix_cache_gb`` 0: off).
+    max_body_bytes: a larger request body gets 413 (in the API's error schema); body_timeout_s: a
+    request body that sends nothing for this long gets 408 (None: no limit). replica: for process 0
+    of a multi-process job, builds the engine the server drives from the ``Generator``
+    (``zoo.engine.replica.Leader``). image_policy: the limits on images in requests
+    (``zoo.server.image_inputs.ImagePolicy``; None: its defaults) for a model with a vision tower;
+    a text-only model answers an image with 400. The engine is ``app.state.service.engine``; ``serve`` drains it
+    on SIGTERM.
+    """
+    if thinking_budget is not None and thinking_budget < 1:
+        raise ValueError(f"thinking_budget must be >= 1, got {thinking_budget}")
+    if model.tokenizer is None:
+        raise ValueError("serving needs a tokenizer; this model has none")
+    if tool_format == "auto":
+        tool_format = tool_format_of(getattr(model.config, "arch", None), model.tokenizer.chat_template)
+    elif tool_format is not None and tool_format not in PARSERS:
+        raise ValueError(f"unknown tool format {tool_format!r}; use one of {sorted(PARSERS)}, 'auto' or None")
+    image_policy = image_policy or ImagePolicy()
+    vision = VisionInputs.from_model(model, image_policy)        # None: text only
+    generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget,
+                          prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
+                          prefix_cache_host_gb=prefix_cache_host_gb)
+    metrics = Metrics()
+    if generator.prefix is not None:
+        metrics.watch_prefix_cache(generator.prefix)
+    if replica is not None:
+        generator = replica(generator)
+    engine = EngineThread(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
+    name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+    service = Service(engine, model.tokenizer, name, tool_format, context, default_max_tokens, keepalive_s,
+                      thinking_budget, vision=vision, image_policy=image_policy)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        log.info("serving %s (tool format %s, max batch %d, spec %d, %s)", name, tool_format, max_batch, spec_tokens,
+                 "text only" if vision is None else f"images: {vision.spec.family}")
+        yield
+        engine.stop()
+
+    app = FastAPI(title="zoo", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    auth = [Depends(_require_key(api_key))]
+    app.include_router(openai_api.router, dependencies=auth)
+    app.include_router(anthropic_api.router, dependencies=auth)
+    app.include_router(responses_api.router, dependencies=auth)
+    app.include_router(tokenize_api.router, dependencies=auth)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health():
+        status, body = engine.health()
+        return JSONResponse({**body, "model": name} if status == 200 else body, status)
+
+    @app.get("/metrics", dependencies=auth)
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.add_exception_handler(ApiError, _error_response)
+    app.add_exception_handler(HTTPException, lambda request, e: _error_response(
+        request, ApiError(e.status_code, str(e.detail))))
+    app.add_exception_handler(RequestValidationError, lambda request, e: _error_response(
+        request, ApiError(400, str(e.errors()[0].get("msg", e)))))
+
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return _error_response(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+    app.add_exception_handler(Exception, internal_error)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(CountRequests, metrics=metrics)     # outermost: it counts BodyLimit's answers too
+    return app
+
+
+def _server(app: FastAPI, log_level: str, header_timeout_s: float, keepalive_timeout_s: float,
+            drain_seconds: float) -> DrainingServer:
+    service = getattr(getattr(app, "state", None), "service", None)    # None: an app wrapped by middleware
+    return transport.make_server(app, log_level=log_level, header_timeout_s=header_timeout_s,
+                                 keepalive_timeout_s=keepalive_timeout_s, drain_seconds=drain_seconds,
+                                 drain=service.engine.drain if service is not None else None)
+
+
+def serve(app: FastAPI, sock: socket.socket, *, log_level: str = "info",
+          header_timeout_s: float = transport.HEADER_TIMEOUT_S,
+          keepalive_timeout_s: float = transport.KEEPALIVE_TIMEOUT_S,
+          drain_seconds: float = transport.DRAIN_SECONDS) -> None:
+    """Serve ``app`` on ``sock`` (from ``bind``) until SIGTERM or SIGINT, then drain: new generation
+    requests get 503, running ones may finish for ``drain_seconds``, the rest end with an in-band
+    error; returns once the server stopped (a second signal: at once). header_timeout_s: a
+    connection must send a complete request head within this; keepalive_timeout_s: an idle
+    keep-alive connection is closed after this (see ``zoo.server.transport``)."""
+    _server(app, log_level, header_timeout_s, keepalive_timeout_s, drain_seconds).run(sockets=[sock])
+
+
+class ServerThread:
+    """Run ``app`` with uvicorn in a background thread: ``with ServerThread(app) as s: s.url``.
+    The timeouts are those of ``serve``; ``drain()`` does what SIGTERM does to ``serve``."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", *,
+                 header_timeout_s: float = transport.HEADER_TIMEOUT_S,
+                 keepalive_timeout_s: float = transport.KEEPALIVE_TIMEOUT_S,
+                 drain_seconds: float = transport.DRAIN_SECONDS):
+        self._sock = bind(host, port)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._server = _server(app, log_level, header_timeout_s, keepalive_timeout_s, drain_seconds)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="zoo-uvicorn", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server failed to start (see the log)")
+            self._thread.join(0.02)
+        return self
+
+    def drain(self) -> None:
+        """Start the drain of SIGTERM (returns at once; ``join`` waits for the server to stop)."""
+        self._server.drain()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s for the server to stop; whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self._sock.close()

@@ -1,0 +1,161 @@
+"""Output grammars for structured outputs, as llguidance grammar strings.
+
+What a request can ask for, and the grammar made of it:
+
+    json_object                    any JSON object
+    json_schema (+ strict)         JSON valid against the schema (strict: unknown keywords are errors;
+                                   otherwise ignored, as OpenAI's non-strict mode)
+    regex                          text matching the (Rust ``regex``) expression
+    grammar                        a Lark grammar (llguidance's dialect) or GBNF (llama.cpp's)
+    choice                         exactly one of a list of strings
+    tool calls                     the model's native tool-call text for the named tool(s), each
+                                   argument value valid against the tool's JSON schema
+
+JSON is written as Python's ``json.dumps`` writes it (``", "`` and ``": "`` separators, no other
+whitespace): finite, and what models write themselves. Every builder raises ``GrammarError`` with
+the grammar compiler's message for a grammar it cannot compile (the server's 400).
+
+Tool calls (``tool_call_grammar``) use the formats of ``zoo.text.tool_calls``:
+
+    qwen   <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
+    glm    <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>
+
+A string-typed value is raw text (no quotes, no ``<``); an ``enum`` / ``const`` of strings is one
+of those strings; any other value is JSON constrained by its sub-schema (llguidance's inline
+``%json``). Arguments come in the schema's property order: the required ones always, the others
+optionally. ``prefix``: the part of the first call already in the prompt (a forced call opening),
+which the grammar then starts after.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar, schema or regex that does not compile; the message names the problem."""
+
+
+def check(grammar: str, tokenizer: llguidance.LLTokenizer | None = None, what: str = "grammar") -> str:
+    """``grammar`` if llguidance compiles it (with ``tokenizer``), else ``GrammarError``."""
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(f"{what}: {error.strip()}")
+    return grammar
+
+
+def json_schema(schema: dict | bool, *, strict: bool = False) -> str:
+    """Grammar of JSON valid against ``schema``."""
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"json_schema: a schema is a JSON object, got {type(schema).__name__}")
+    options = {**JSON_STYLE, "lenient": not strict}
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"json_schema: {e}") from None
+
+
+def json_object() -> str:
+    return json_schema({"type": "object"})
+
+
+def regex(pattern: str) -> str:
+    if not isinstance(pattern, str):
+        raise GrammarError("regex: expected a string")
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
+
+
+def lark(text: str) -> str:
+    """A Lark grammar (llguidance's dialect) or a GBNF one (converted)."""
+    if not isinstance(text, str):
+        raise GrammarError("grammar: expected a string")
+    try:
+        return llguidance.grammar_from("grammar", text)
+    except ValueError as e:
+        raise GrammarError(f"grammar: {e}") from None
+
+
+def choice(options: list) -> str:
+    if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+        raise GrammarError("choice: expected a non-empty list of strings")
+    return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+
+
+# -- tool calls -------------------------------------------------------------------------------------
+def _literal(text: str, tokens: dict[str, int] | None = None) -> str:
+    """Lark for ``text``: a string literal, with each marker of ``tokens`` (text -> token id) in it
+    written as that token (``<[id]>``: the model's own marker token, not its spelling in bytes)."""
+    parts, rest = [], text
+    while rest:
+        hits = [(rest.find(m), m) for m in tokens or {} if m in rest]
+        if not hits:
+            parts.append(json.dumps(rest, ensure_ascii=False))
+            break
+        at, marker = min(hits)
+        if at:
+            parts.append(json.dumps(rest[:at], ensure_ascii=False))
+        parts.append(f"<[{tokens[marker]}]>")
+        rest = rest[at + len(marker):]
+    return " ".join(parts) or '""'
+
+
+def _value(schema: dict, framed: bool) -> tuple[str, bool]:
+    """Lark expression for one argument value (see the module doc), and whether it is raw text
+    (which may end in a newline: the lexer takes the longest match, so a raw value followed by a
+    literal starting with a newline would swallow it). ``framed``: a newline may end raw text (Qwen
+    frames values by newlines)."""
+    options = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if options is not None and all(isinstance(o, str) for o in options):
+        return "(" + " | ".join(_literal(o) for o in options) + ")", False
+    if schema.get("type") == "string":
+        low, high = schema.get("minLength"), schema.get("maxLength")
+        if low is None and high is None:
+            return "/[^<]*/", True
+        return "/[^<]{%d,%s}%s/" % (low or 0, "" if high is None else high, "\\n?" if framed else ""), True
+    return "%json " + json.dumps(schema), False
+
+
+def _call(fmt: str, name: str, parameters: dict) -> tuple[str, list[tuple[str, str, str, str]]]:
+    """A call's opening text and its arguments as (text before, value expression, text after,
+    "" for a required argument or "?")."""
+    props = parameters.get("properties") or {}
+    required = set(parameters.get("required") or [])
+    args = []
+    for key, sub in props.items():
+        value, raw = _value(sub if isinstance(sub, dict) else {}, framed=fmt == "qwen")
+        if fmt == "qwen":      # a raw value takes its framing newline itself (the parser strips it)
+            head, tail = f"<parameter={key}>\n", ("" if raw else "\n") + "</parameter>\n"
+        else:
+            head, tail = f"<arg_key>{key}</arg_key><arg_value>", "</arg_value>"
+        args.append((head, value, tail, "" if key in required else "?"))
+    opening = f"<tool_call>\n<function={name}>\n" if fmt == "qwen" else f"<tool_call>{name}"
+    return opening, args
+
+
+def tool_call_grammar(fmt: str, tools: list[dict], *, prefix: str = "", repeat: bool = True,
+                      tokens: dict[str, int] | None = None) -> str:
+    """Grammar of tool calls of ``tools`` (OpenAI function tools) in format ``fmt`` (see the module
+    doc); ``prefix``: text of the first call already written; ``repeat``: more calls may follow;
+    ``tokens``: marker text -> the model's token id for it (markers written as those tokens)."""
+    if fmt not in ("qwen", "glm"):
+        raise GrammarError(f"tool calls: no grammar for the tool-call format {fmt!r}")
+    closing = "</function>\n</tool_call>" if fmt == "qwen" else "</tool_call>"
+    rules, calls, firsts = [], [], []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        opening, args = _call(fmt, fn.get("name") or "", fn.get("parameters") or {})
+        body = " ".join(f"({_literal(h, tokens)} {v} {_literal(t, tokens)}){o}" for h, v, t, o in args)
+        rules.append(f"args_{i}: {body or chr(34) * 2} {_literal(closing, tokens)}")
+        calls.append(f"{_literal(opening, tokens)} args_{i}")
+        if opening.startswith(prefix):
+            rest = opening[len(prefix):]
+            firsts.append((_literal(rest, tokens) + " " if rest else "") + f"args_{i}")
+    if not firsts:
+        raise GrammarError(f"tool calls: no tool's call starts with {prefix!r}")
+    more = ' ("\\n"? call)*' if repeat else ""
+    text = f"start: first{more}\nfirst: {' | '.join(firsts)}\ncall: {' | '.join(calls)}\n" + "\n".join(rules)
+    return llguidance.LLMatcher.grammar_from_lark(text)

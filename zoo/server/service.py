@@ -1,0 +1,609 @@
+"""What the OpenAI and Anthropic surfaces share: from messages to prompt tokens, and from generated
+tokens to answer events.
+
+    prompt   messages (HF chat-template form) -> chat template (tools, enable_thinking) -> text
+             [+ "</think>" and a tool-call opening when a call is forced] -> token ids
+    output   token ids -> TextDecoder (incremental detokenizer, stop strings)
+                       -> OutputParser (ReasoningParser, then the model's ToolParser)
+                       -> Reasoning / Text / ToolCallStart / ToolCallArgs / ToolCallEnd events
+    driver   ``Service.events(job, ...)``: those events as tokens arrive, ``KEEPALIVE`` after a
+             silent tick, then one ``Finish``; cancels the request if the consumer goes away.
+             A request with logprobs also gets a ``Logprobs`` event before the events of the
+             tokens it scores (every generated token, reasoning included, in order)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence
+
+import jinja2
+from starlette.concurrency import run_in_threadpool
+
+from zoo.engine.constraint import OutputGrammar
+from zoo.engine.logprobs import TokenLogprob
+from zoo.server.engine_thread import TICK, EngineThread, Job
+from zoo.server.image_inputs import ImageParts, ImagePolicy, VisionInputs
+from zoo.server.logprob_render import LogprobRenderer
+from zoo.server.structured import marker_tokens, strict_tools, tool_output
+from zoo.server.validation import ApiError
+from zoo.text.reasoning_parser import (
+    CLOSE,
+    OPEN,
+    Reasoning,
+    ReasoningParser,
+    Text,
+    partial_suffix,
+    prompt_opens_reasoning,
+)
+from zoo.text.tool_calls import CALL_OPEN, PARSERS, ToolCallArgs, ToolCallStart, ToolParser, call_prefix
+
+# special tokens that are text to the parsers; every other special token is hidden from the output
+KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))
+KEEPALIVE = object()
+log = logging.getLogger("zoo.serve")
+POLL_S = 1.0           # non-streaming requests: how often to check that the client is still there
+
+
+@dataclass
+class Finish:
+    """The end of a generation. ``reason``: "stop" (end of turn or stop string), "length", "error".
+    ``cached_tokens``: prompt tokens restored from the prefix cache; ``cache_written``: prompt tokens
+    up to the last ``cache_control`` mark that this request prefilled (and cached)."""
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    cache_written: int = 0
+    stop_sequence: str | None = None
+    tool_calls: bool = False
+    error: str | None = None
+    error_status: int = 500            # the HTTP status of ``error`` (503: the server is shutting down)
+
+
+@dataclass
+class Logprobs:
+    """The logprob records of tokens that just arrived (their text follows in the next events)."""
+    records: list[TokenLogprob]
+
+
+class TextDecoder:
+    """Token ids -> text pieces: hides control tokens, holds back incomplete UTF-8 and text that
+    may be the start of a stop string; ``stopped`` is the stop string that ended the text."""
+
+    def __init__(self, tokenizer, hidden: frozenset[int], stop: list[str] = ()):
+        self._tok = tokenizer
+        self._hidden = hidden               # ids of control tokens, left out of the text
+        self._ids: list[int] = []
+        self._prefix = self._read = 0       # decode window: ids[_prefix:_read] were already emitted
+        self._stop = [s for s in stop if s]
+        self._pending = ""
+        self.stopped: str | None = None
+
+    def feed(self, tokens: list[int]) -> str:
+        if self.stopped is not None:
+            return ""
+        self._ids += [t for t in tokens if t not in self._hidden]
+        done = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=False)
+        text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=False)
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return self._cut(text[len(done):], final=False)
+
+    def flush(self) -> str:
+        """The rest of the text (a partial stop string is no match now)."""
+        if self.stopped is not None:
+            return ""
+        done = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=False)
+        text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=False)
+        self._prefix = self._read = len(self._ids)
+        return self._cut(text[len(done):], final=True)
+
+    def _cut(self, text: str, final: bool) -> str:
+        self._pending += text
+        hits = [(i, s) for s in self._stop if (i := self._pending.find(s)) >= 0]
+        if hits:
+            i, self.stopped = min(hits)
+            out, self._pending = self._pending[:i], ""
+            return out
+        keep = 0 if final else partial_suffix(self._pending, self._stop)
+        out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+        return out
+
+
+class OutputParser:
+    """Answer text -> events: reasoning split off first (chat only), then tool calls (if any)."""
+
+    def __init__(self, *, reasoning: bool, in_reasoning: bool = False, tools: ToolParser | None = None):
+        self._reasoning = ReasoningParser(in_reasoning) if reasoning else None
+        self._tools = tools
+
+    def feed(self, text: str) -> list:
+        return self._through_tools(self._reasoning.feed(text) if self._reasoning else [Text(text)] * bool(text))
+
+    def flush(self) -> list:
+        out = self._through_tools(self._reasoning.flush() if self._reasoning else [])
+        return out + (self._tools.flush() if self._tools else [])
+
+    def _through_tools(self, events: list) -> list:
+        if self._tools is None:
+            return events
+        out = []
+        for e in events:
+            out += self._tools.feed(e.text) if isinstance(e, Text) else [e]
+        return out
+
+
+def coalesce(events: list) -> list:
+    """Merge neighbouring pieces of the same kind (fewer, larger stream chunks)."""
+    out: list = []
+    for e in events:
+        last = out[-1] if out else None
+        if type(e) is type(last) and isinstance(e, (Text, Reasoning)):
+            out[-1] = type(e)(last.text + e.text)
+        elif isinstance(e, ToolCallArgs) and isinstance(last, ToolCallArgs) and e.index == last.index:
+            out[-1] = ToolCallArgs(e.index, last.delta + e.delta)
+        else:
+            out.append(e)
+    return out
+
+
+TEXT_PARTS = ("text", "input_text", "output_text", "summary_text", "reasoning_text")
+
+
+IMAGE_PARTS = ("image_url", "input_image")
+
+
+def content_text(content, where: str, images=None) -> str:
+    """Message (or tool output) content, a string or a list of text parts (OpenAI chat ``text``,
+    Responses ``input_text`` / ``output_text`` / summaries, ``refusal``), as text. Image parts (chat
+    ``image_url`` as ``{"url": ...}`` or a string, Responses ``input_image`` with ``image_url``)
+    go to ``images`` (a ``vision_inputs.ImageParts``) and read as the text standing for them; where
+    ``images`` is None (not a user turn) they are a 400, as is any other part."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or a list of content parts", param=where)
+    out = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in TEXT_PARTS:
+            out.append(str(part.get("text", "")))
+        elif kind == "refusal":
+            out.append(str(part.get("refusal", "")))
+        elif kind in IMAGE_PARTS and images is not None:
+            out.append(_image_part(part, kind, f"{where}[{k}]", images))
+        elif kind in IMAGE_PARTS:
+            raise ApiError(400, f"{where}[{k}]: {kind} parts are not supported here (images are taken in user "
+                                "messages, by a model with a vision tower)", param=where)
+        elif kind in ("input_file", "input_audio", "file"):
+            raise ApiError(400, f"{where}[{k}]: {kind} parts are not supported (this server takes text and images)",
+                           param=where)
+        else:
+            raise ApiError(400, f"{where}[{k}]: unknown content part type {kind!r}", param=where)
+    return "".join(out)
+
+
+def _image_part(part: dict, kind: str, where: str, images) -> str:
+    if kind == "input_image" and part.get("file_id") is not None and part.get("image_url") is None:
+        raise ApiError(400, f"{where}.file_id: images by file_id are not supported (no Files API here); send "
+                            "image_url as a data: URL", param=where)
+    url = part.get("image_url")
+    if kind == "image_url" and isinstance(url, dict):
+        url = url.get("url")
+        where += ".image_url.url"
+    else:
+        where += ".image_url"
+    if url is None:
+        raise ApiError(400, f"{where}: missing (expected the image's URL)", param=where)
+    return images.add_url(url, where)
+
+
+def fold_system_messages(messages: list[dict]) -> list[dict]:
+    """``messages`` (template form) with their system text where every chat template takes it: the
+    system messages before any other become one leading system message; a later one (agent clients
+    send them mid-conversation) joins the user turn it follows, or starts one."""
+    head: list[str] = []
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] != "system":
+            out.append(m)
+        elif not m["content"]:
+            continue
+        elif not out:
+            head.append(m["content"])
+        elif out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append({"role": "user", "content": m["content"]})
+    return ([{"role": "system", "content": "\n\n".join(head)}] if head else []) + out
+
+
+def _token_marks(text: str, ends: list[int], marks: Sequence[str]) -> tuple[int, ...]:
+    """Token positions where each of ``marks`` (searched in order in ``text``) ends: the tokens whose
+    text ends at or before that character (``ends``: per token). A text not found is skipped."""
+    out, at = [], 0
+    for mark in marks:
+        found = text.find(mark, at)
+        if found < 0:
+            continue
+        at = found + len(mark)
+        n = bisect.bisect_right(ends, at)
+        if n and (not out or n > out[-1]):
+            out.append(n)
+    return tuple(out)
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered chat request: prompt ids, the parser for its output, events of a forced prefix,
+    the grammar its output follows (None: free)."""
+    ids: list[int]
+    parser: OutputParser
+    initial: list
+    opens_reasoning: bool = False      # the prompt ends inside a reasoning block (no close added)
+    grammar: OutputGrammar | None = None
+    new_parser: Callable[[], tuple[OutputParser, list]] | None = None   # (parser, initial) for another choice
+    marks: tuple[int, ...] = ()        # token positions where the prefix cache should keep a snapshot
+    images: tuple = ()                 # the engine's ImageInput per image, in prompt order
+
+    def parsers(self, n: int) -> list[tuple[OutputParser, list]]:
+        """(parser, initial events) for each of ``n`` choices."""
+        return [(self.parser, self.initial)] + [self.new_parser() for _ in range(n - 1)]
+
+
+@dataclass
+class Service:
+    """What the API surfaces need: the engine, the tokenizer, and the serving settings."""
+    engine: EngineThread
+    tokenizer: object
+    model_name: str
+    tool_format: str | None         # "qwen" | "glm" | None (tool calls are not parsed)
+    context: int                    # the model's maximum sequence length
+    default_max_tokens: int
+    keepalive_s: float
+    thinking_budget: int | None = None   # reasoning tokens before "</think>" is forced (None: unlimited)
+    vision: VisionInputs | None = None   # the model's image handling (None: text only)
+    image_policy: ImagePolicy = dataclasses.field(default_factory=ImagePolicy)
+
+    def __post_init__(self):
+        self._hidden = frozenset(i for i, t in self.tokenizer.special_tokens().items() if t not in KEEP)
+        self.logprob_renderer = LogprobRenderer(self.tokenizer)
+        self._markers = marker_tokens(self.tokenizer, KEEP)     # written as tokens in tool-call grammars
+
+    def check_token_ids(self, ids: list[int], where: str) -> None:
+        """400 naming the first id of ``ids`` outside the tokenizer's vocabulary."""
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ApiError(400, f"{where}[{i}]: token id {t} is not in the vocabulary (0..{vocab - 1})",
+                               param=where)
+
+    def check_prompt_chars(self, text: str, where: str = "the prompt") -> None:
+        """400 before tokenizing when ``text`` has more characters than the context can hold tokens
+        of (``Tokenizer.max_chars_per_token`` per token), so a huge body is refused in microseconds
+        instead of being tokenized first; nothing is checked where the tokenizer gives no bound."""
+        per_token = getattr(self.tokenizer, "max_chars_per_token", None)
+        if per_token and len(text) > self.context * per_token:
+            raise ApiError(400, f"{where} has {len(text)} characters, more than the model's context of "
+                                f"{self.context} tokens can hold (a token spans at most {per_token} characters)",
+                           code="context_length_exceeded")
+
+    def image_parts(self) -> ImageParts:
+        """A collector for one request's images (a text-only model refuses the first one)."""
+        return ImageParts(self.vision, self.image_policy)
+
+    def with_images(self, ids: list[int], images: ImageParts | None,
+                    marks: Sequence[int] = ()) -> tuple[list[int], tuple[int, ...], list]:
+        """Prompt ids (of a text in which ``images.substitute`` put the placeholders) with each
+        image's pad run at full length, the marks moved, and the ``ImageInput``s (decoded and
+        preprocessed here). A text-only model: the ids as they are."""
+        if self.vision is None:
+            return ids, tuple(marks), []
+        prepared = self.vision.prepare(images.order, images.policy) if images else []
+        ids, marks = self.vision.expand(ids, prepared, marks)
+        return ids, marks, prepared
+
+    def decoder(self, stop: list[str] = ()) -> TextDecoder:
+        """A detokenizer for one request's output, ending the text at any of ``stop``."""
+        return TextDecoder(self.tokenizer, self._hidden, stop)
+
+    # -- prompts ----------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice: str = "auto",
+                    tool_name: str | None = None, thinking: bool | None = None,
+                    template_kwargs: dict | None = None, prefill: str = "", output: str | None = None,
+                    parallel_calls: bool = True, marks: Sequence[str] = (),
+                    images: ImageParts | None = None) -> ChatPrompt:
+        """Render ``messages`` (HF form) with the chat template.
+
+        tool_choice: "auto", "none" (tools left out of the prompt, no parsing), "required" or
+        "function" (``tool_name``): the assistant turn is started with a tool-call opening, so the
+        model must call (that) tool; an open reasoning block is closed first. ``thinking`` is the
+        templates' ``enable_thinking``. ``prefill``: assistant text the answer continues (not
+        repeated in the output). ``output``: the grammar of the answer (``zoo.server.structured``);
+        ``parallel_calls`` False: a forced call is the only one (the grammar ends after it).
+        ``marks``: texts of the messages (in order) after which the prefix cache should keep a
+        snapshot (Anthropic ``cache_control``); each becomes the token position where it ends.
+        ``images``: the request's images, whose sentinels the messages' text holds
+        (``vision_inputs``): each becomes the model's placeholder, expanded to its tokens.
+
+        The output grammar: a forced call follows the tools' grammar; else ``output`` if given, else,
+        when every tool is ``strict``, each call the model opens. It applies after the reasoning
+        block closes, when the prompt opens one.
+        """
+        use_tools = bool(tools) and tool_choice != "none"
+        kwargs = dict(template_kwargs or {})
+        if thinking is not None:
+            kwargs["enable_thinking"] = thinking
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools if use_tools else None,
+                                                      add_generation_prompt=True, **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise ApiError(400, f"the chat template rejected the messages: {e}") from None
+        if images:
+            text = images.substitute(text)
+        in_reasoning = prompt_opens_reasoning(text)
+        forced = ""
+        if use_tools and tool_choice in ("required", "function"):
+            if self.tool_format is None:
+                raise ApiError(400, f"tool_choice {tool_choice!r} needs a known tool-call format; this model "
+                                    "has none (start the server with a tool format)", param="tool_choice")
+            forced = call_prefix(self.tool_format, tool_name)
+        close = "\n" + CLOSE + "\n\n" if in_reasoning and (forced or prefill) else ""
+
+        def new_parser() -> tuple[OutputParser, list]:
+            tools_parser = PARSERS[self.tool_format](tools) if use_tools and self.tool_format else None
+            parser = OutputParser(reasoning=True, in_reasoning=in_reasoning, tools=tools_parser)
+            parser.feed(close + prefill)                 # already in the prompt, not part of the answer
+            return parser, parser.feed(forced)
+
+        opens = in_reasoning and not close
+        close_ids = tuple(self.tokenizer.encode(CLOSE))
+        wait = (close_ids,) if opens else ()
+        # a template that knows reasoning but left it neither open nor closed: the model may open it
+        may_open = (not opens and not close and thinking is not False and OPEN in (self.tokenizer.chat_template or "")
+                    and not text.rstrip().endswith(CLOSE) and OPEN in self._markers)
+        reasoning = (self._markers[OPEN], close_ids) if may_open else None
+        grammar = None
+        if forced:
+            named = [t for t in tools if t.get("function", t).get("name") == tool_name] if tool_name else tools
+            grammar = OutputGrammar(tool_output(self.tool_format, named, prefix=forced, repeat=parallel_calls,
+                                                tokens=self._markers))
+        elif output is not None:
+            grammar = OutputGrammar(output, wait=wait, reasoning=reasoning)
+        elif use_tools and self.tool_format and strict_tools(tools):
+            opening = tool_output(self.tool_format, tools, prefix=CALL_OPEN, repeat=False, tokens=self._markers)
+            trigger = tuple(self.tokenizer.encode(CALL_OPEN))
+            grammar = OutputGrammar(opening, wait=wait + (trigger,), rearm=trigger)
+        parser, initial = new_parser()
+        self.check_prompt_chars(text + close + prefill + forced)
+        ids, ends = self.tokenizer.encode_with_ends(text + close + prefill + forced)
+        ids, token_marks, prepared = self.with_images(ids, images, _token_marks(text, ends, marks))
+        return ChatPrompt(ids, parser, initial, opens_reasoning=opens, grammar=grammar, new_parser=new_parser,
+                          marks=token_marks, images=tuple(prepared))
+
+    # -- generation -------------------------------------------------------------------------------
+    async def start(self, ids: list[int], **kwargs) -> Job:
+        """``start_choices`` for one choice."""
+        return (await self.start_choices(ids, **kwargs))[0]
+
+    async def start_choices(self, ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
+                            top_k: int, seed: int | None, thinking_budget: int | None = None,
+                            thinking_opened: bool = False, logprobs: int | None = None,
+                            prompt_logprobs: int | None = None, n: int = 1,
+                            grammar: OutputGrammar | None = None, cache_marks: Sequence[int] = (),
+                            images: Sequence = ()) -> list[Job]:
+        """Submit a request and wait until it is admitted (429 / 503 from the queue; 400 if the
+        engine can never fit it). ``thinking_budget``: reasoning tokens after which ``</think>`` is
+        forced (``thinking_opened``: the prompt ends inside ``<think>``). ``logprobs`` /
+        ``prompt_logprobs``: alternatives per generated / prompt token (None: no logprobs);
+        ``max_tokens`` 0 (prompt logprobs only) needs ``prompt_logprobs``. ``n``: choices, the prompt
+        prefilled once (a job each); ``grammar``: the output's (a matcher per choice, compiled here
+        in a worker thread); ``cache_marks``: prompt positions worth a prefix-cache snapshot;
+        ``images``: the prompt's ``ImageInput``s (``ChatPrompt.images``), in prompt order."""
+        if len(ids) >= self.context:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
+                           code="context_length_exceeded")
+        vocab = self.engine.generator.vocab
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0 .. {vocab - 1})", param="prompt")
+        budget = self.context - len(ids)
+        max_new = min(self.default_max_tokens if max_tokens is None else max_tokens, budget)
+        if thinking_budget is None:
+            thinking_budget = self.thinking_budget
+        constraints = None
+        if grammar is not None:
+            make = self.engine.generator.constraint
+            try:
+                constraints = await run_in_threadpool(lambda: [make(grammar) for _ in range(n)])
+            except ValueError as e:
+                raise ApiError(400, f"the output grammar does not compile: {e}") from None
+        try:
+            jobs = self.engine.submit_choices(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                                              top_k=top_k, seed=random.getrandbits(31) if seed is None else seed,
+                                              thinking_budget=thinking_budget, thinking_opened=thinking_opened,
+                                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
+                                              constraints=constraints, grammar=grammar,
+                                              cache_marks=tuple(cache_marks), images=tuple(images))
+        except ValueError as e:                  # the engine's own checks of a request
+            raise ApiError(400, str(e)) from None
+        try:
+            await asyncio.gather(*(job.admitted() for job in jobs))
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+        for job in jobs:
+            if not job.admitted_to_row and (job.error or job.req.finish_reason == "error"):
+                for other in jobs:
+                    other.cancel()
+                if job.error:                    # the server ended it (engine down, shutting down)
+                    raise ApiError(job.error_status, job.error)
+                status = job.req.stats.get("error_status", 400)
+                prefix = "the request cannot be served" if status < 500 else "the engine failed on this request"
+                raise ApiError(status, f"{prefix}: {job.req.stats.get('error', 'engine error')}")
+        return jobs
+
+    async def events(self, job: Job, decoder: TextDecoder, parser: OutputParser, initial: list = (),
+                     tick: float | None = None) -> AsyncIterator:
+        """Answer events of ``job`` as they come, ``KEEPALIVE`` after ``tick`` s (default: the
+        keep-alive interval) without any (no tokens, or tokens that produce no output yet, such as
+        a buffered tool-call value), then a ``Finish``. Leaving early cancels the request."""
+        tick = tick or self.keepalive_s
+        tool_calls = any(isinstance(e, ToolCallStart) for e in initial)
+        last = time.monotonic()               # when the consumer last got something
+        scored = 0                            # logprob records already passed on
+        try:
+            for e in coalesce(list(initial)):
+                yield e
+            while True:
+                item = await job.next(tick)
+                if item is not TICK:
+                    try:
+                        records, events, done = self._render(job, item, decoder, parser, scored)
+                    except Exception as e:    # a bug in rendering this output: this request fails, in band
+                        log.exception("rendering a request's output failed")
+                        job.cancel()
+                        yield Finish("error", len(job.req.prompt), job.received,
+                                     error=f"the server failed to render the output: {type(e).__name__}: {e}")
+                        return
+                    if records:
+                        yield Logprobs(records)
+                        scored += len(records)
+                    for e in events:
+                        tool_calls |= isinstance(e, ToolCallStart)
+                        yield e
+                    if done:
+                        yield self._finish(job, decoder, tool_calls)
+                        return
+                    if events:
+                        last = time.monotonic()
+                        continue
+                if time.monotonic() - last >= tick:
+                    yield KEEPALIVE
+                    last = time.monotonic()
+        finally:
+            job.cancel()
+
+    @staticmethod
+    def _render(job: Job, item: tuple, decoder: TextDecoder, parser: OutputParser, scored: int):
+        """What ``job.next`` gave (``item``: tokens, done) as (new logprob records, answer events,
+        done); a stop string seen ends the request."""
+        tokens, done = item
+        records = job.logprobs[scored:]
+        text = decoder.feed(tokens)
+        if decoder.stopped is not None and not done:
+            job.cancel("stop")
+            done = True
+        if done:
+            text += decoder.flush()
+        return records, coalesce(parser.feed(text) + (parser.flush() if done else [])), done
+
+    @staticmethod
+    def _finish(job: Job, decoder: TextDecoder, tool_calls: bool) -> Finish:
+        req = job.req
+        cached = int(req.stats.get("cached_tokens", 0))
+        written = max(0, max(req.cache_marks, default=0) - cached)
+        finish = Finish("stop", len(req.prompt), job.received, cached, written, tool_calls=tool_calls)
+        if decoder.stopped is not None:
+            return dataclasses.replace(finish, stop_sequence=decoder.stopped)
+        if job.error:
+            return dataclasses.replace(finish, reason="error", error=job.error, error_status=job.error_status)
+        if job.finish_reason == "error":
+            return dataclasses.replace(finish, reason="error", error=req.stats.get("error"),
+                                       error_status=req.stats.get("error_status", 500))
+        return dataclasses.replace(finish, reason="length" if job.finish_reason == "length" else "stop")
+
+
+async def collect_finished(events: AsyncIterator, request, job) -> tuple[list, Finish] | None:
+    """A non-streaming request's events and its Finish, the job cancelled once collected; None if
+    the client went away. A generation error becomes a 500."""
+    try:
+        out, finish = await collect(events, request)
+    finally:
+        job.cancel()
+    if finish is None:
+        return None
+    if finish.reason == "error":
+        raise ApiError(finish.error_status, finish.error or "generation failed")
+    return out, finish
+
+
+async def collect(events: AsyncIterator, request) -> tuple[list, Finish | None]:
+    """All events of a non-streaming request (made with ``tick=POLL_S``); (events, None) if the
+    client went away meanwhile."""
+    out = []
+    async for e in events:
+        if e is KEEPALIVE:
+            if await request.is_disconnected():
+                await events.aclose()
+                return out, None
+        elif isinstance(e, Finish):
+            return out, e
+        else:
+            out.append(e)
+    return out, None
+
+
+_END = object()
+
+
+async def guarded(stream: AsyncIterator, error_event: Callable[[str], object]) -> AsyncIterator:
+    """The items of a response stream; if it raises, one ``error_event(message)`` ends it instead
+    of a connection cut without a word (a server bug stays an in-band error of that request)."""
+    try:
+        async for item in stream:
+            yield item
+    except Exception as e:
+        log.exception("a response stream failed")
+        yield error_event(f"internal error: {type(e).__name__}: {e}")
+
+
+async def merge_events(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index, event) from several event streams as they come (one per choice); keep-alives of
+    several streams at once are passed on once. Leaving early closes every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for e in stream:
+                await queue.put((i, e))
+        finally:
+            await queue.put((i, _END))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left, quiet = len(streams), False
+        while left:
+            i, e = await queue.get()
+            if e is _END:
+                left -= 1
+            elif e is KEEPALIVE:
+                if not quiet:
+                    yield i, e
+                quiet = True
+            else:
+                quiet = False
+                yield i, e
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)   # each stream's own cleanup runs
+
+
+async def collect_choices(streams: list[AsyncIterator], request, jobs: list) -> list[tuple[list, Finish]] | None:
+    """``collect_finished`` for each choice, concurrently; None if the client went away."""
+    results = await asyncio.gather(*(collect_finished(s, request, j) for s, j in zip(streams, jobs)))
+    if any(r is None for r in results):
+        for job in jobs:
+            job.cancel()
+        return None
+    return list(results)
