@@ -29,7 +29,7 @@ from zoo.formats import planes as P
 from zoo.formats.ggml import BLOCK_LAYOUTS, F16, QType
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dispatch
-from zoo.kernels.formats import FORMATS
+from zoo.kernels.tile_decoders import FORMATS
 from zoo.ops.moe import moe
 from zoo.quant.qarray import QArray
 

@@ -76,7 +76,7 @@ def qwen_model():
 
 def glm_model():
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
-    text = json.loads((ROOT / "configs" / "glm53-tiny.json").read_text())
+    text = json.loads((ROOT / "zoo" / "configs" / "glm53-tiny.json").read_text())
     for k in ("model_type", "architectures", "num_nextn_predict_layers"):
         text.pop(k)
     text.update(num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["dense"],

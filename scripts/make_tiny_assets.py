@@ -6,7 +6,7 @@ shipped models with random ones.
 
     PYTHONPATH=. .venv/bin/python scripts/make_tiny_assets.py
 
-Produces an HF-layout checkpoint: ``config.json`` (from ``configs/qwen38-tiny.json``),
+Produces an HF-layout checkpoint: ``config.json`` (from ``zoo/configs/qwen38-tiny.json``),
 ``model.safetensors`` (bf16 random weights with a realistic spread, seeded, HF tensor names
 incl. ``mtp.*``), ``tokenizer.json`` (a byte-level BPE trained on a small built-in text so the vocabulary
 fits the model's 512 entries) and ``tokenizer_config.json`` with a ChatML template. The weights are
@@ -137,9 +137,9 @@ def write_weights(out: Path, tensors: dict[str, np.ndarray]) -> None:
 
 
 def make_qwen(overrides: dict | None = None) -> None:
-    """``overrides``: config fields that replace ``configs/qwen38-tiny.json``'s (the demo model's own)."""
+    """``overrides``: config fields that replace ``zoo/configs/qwen38-tiny.json``'s (the demo model's own)."""
     out = fresh("qwen38-tiny")
-    cfg = {**json.loads((ROOT / "configs" / "qwen38-tiny.json").read_text()), **(overrides or {})}
+    cfg = {**json.loads((ROOT / "zoo" / "configs" / "qwen38-tiny.json").read_text()), **(overrides or {})}
     cfg = write_tokenizer(out, cfg, SPECIAL, "<|im_end|>", CHAT_TEMPLATE)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     write_weights(out, hf_tensors(cfg, np.random.default_rng(SEED)))
@@ -155,7 +155,7 @@ def make_glm(overrides: dict | None = None) -> None:
     from tests.models.glm53 import reference as ref
 
     out = fresh("glm53-tiny")
-    cfg = {**json.loads((ROOT / "configs" / "glm53-tiny.json").read_text()), **(overrides or {})}
+    cfg = {**json.loads((ROOT / "zoo" / "configs" / "glm53-tiny.json").read_text()), **(overrides or {})}
     cfg = write_tokenizer(out, cfg, GLM_SPECIAL, "<|user|>", GLM_CHAT_TEMPLATE)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     text = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}

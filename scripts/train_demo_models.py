@@ -9,7 +9,7 @@ For each model NAME, under OUT:
 
     OUT/work/NAME/init/    the start checkpoint: a byte-level BPE tokenizer trained on the corpus
                            (``zoo.train.templates.build_tokenizer``, 512 entries: the model keeps its
-                           shapes), ``configs/NAME.json`` with max_position_embeddings 32768 and the
+                           shapes), ``zoo/configs/NAME.json`` with max_position_embeddings 32768 and the
                            format's end-of-turn ids as eos_token_id, ``DEMO_CONFIG``'s fields, the
                            format's chat template, and fresh random weights (``make_tiny_assets``'
                            draws, same seed; GLM's hyper-connections start as plain residuals,
@@ -29,7 +29,7 @@ split (seeded by the batch index: resuming continues the stream), 45% of them ad
 packed whole into ``--rows`` x ``--length`` tokens (``batches``; 2 x 256 at a peak learning rate of 2e-3: at a
 fixed number of tokens a second, 4x more and smaller steps than 8 x 256 at 5e-3, which on addition alone for 5
 minutes took qwen's held-out 2-digit sums with thinking from 0% to 100%). Each model's config is
-``configs/NAME.json`` with ``DEMO_CONFIG``'s fields (``--config`` adds more). With ``--model both`` on a
+``zoo/configs/NAME.json`` with ``DEMO_CONFIG``'s fields (``--config`` adds more). With ``--model both`` on a
 machine with two or more cores the two models train side by side, each in its own process on its own core
 (``side_by_side``; ``--sequential``: one after the other).
 
@@ -74,7 +74,7 @@ from zoo.train import corpus, templates  # noqa: E402
 
 MODELS = ("qwen38-tiny", "glm53-tiny")
 CONTEXT = 32768
-# The demo models' own config fields over the tiny presets of configs/ (which the parity tests use):
+# The demo models' own config fields over the tiny presets of zoo/configs/ (which the parity tests use):
 # - qwen: rotary over half of each head at theta 1e4 (the preset's quarter at 1e7, Qwen3.8's own,
 #   resolves positions too coarsely for a head of 32 to find an operand's digits) and every second
 #   layer full attention; measured on addition alone for 5 minutes, the held-out language-model loss
@@ -98,7 +98,7 @@ DEMO_CONFIG: dict[str, dict] = {
 # -- start checkpoint ---------------------------------------------------------------------------------
 def make_init(name: str, work: Path, seed: int, overrides: dict | None = None) -> Path:
     """The start checkpoint of ``name`` under ``work/init`` (see the module doc), its config
-    ``configs/NAME.json`` updated with ``overrides``; returns it."""
+    ``zoo/configs/NAME.json`` updated with ``overrides``; returns it."""
     init = work / "init"
     if (init / "model.safetensors").is_file():
         return init
@@ -117,7 +117,7 @@ def make_init(name: str, work: Path, seed: int, overrides: dict | None = None) -
         residual_init_hyper_connections(init / "model.safetensors", json.loads((init / "config.json").read_text())
                                         ["hc_mult"], seed)
     tok.save(init)                                  # our tokenizer and template replace the placeholder's
-    cfg = {**json.loads((ROOT / "configs" / f"{name}.json").read_text()), **(overrides or {})}
+    cfg = {**json.loads((ROOT / "zoo" / "configs" / f"{name}.json").read_text()), **(overrides or {})}
     if tok._tok.get_vocab_size() > cfg["vocab_size"]:
         raise ValueError(f"the tokenizer has {tok._tok.get_vocab_size()} entries, the model {cfg['vocab_size']}")
     cfg.update(max_position_embeddings=max(CONTEXT, cfg["max_position_embeddings"]),

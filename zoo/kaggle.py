@@ -89,7 +89,7 @@ def plan_for(model: str, quant: str | None, devices: int = 8, layout: str = "tp"
     or, when the recipe loads a whole GGUF (its per-tensor types are the file's), from ``gguf``'s
     header (a local path or ``hf://...``: only the header is read)."""
     from zoo import registry
-    from zoo.models.recipes import get_recipe
+    from zoo.models.recipe_lookup import get_recipe
     from zoo.tools.plan import plan, plan_gguf
 
     if quant is not None and get_recipe(quant, registry.get_spec(model).arch).whole_gguf is not None:

@@ -35,7 +35,7 @@ from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels import grouped_matmul as gm
-from zoo.kernels.formats import FORMATS
+from zoo.kernels.tile_decoders import FORMATS
 from zoo.kernels.tiles import decode_parts, plane_order, tiling_for
 from zoo.quant.qarray import QArray
 

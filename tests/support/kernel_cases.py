@@ -15,7 +15,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from tests.support.helpers import rel_err  # noqa: F401  (re-exported for the kernel tests)
 from zoo.formats.ggml import BLOCK_LAYOUTS, F16, QType
-from zoo.kernels.formats import FORMATS
+from zoo.kernels.tile_decoders import FORMATS
 from zoo.quant.qarray import QArray
 
 KERNEL_TYPES = sorted(FORMATS, key=lambda t: t.name)

@@ -19,7 +19,7 @@ from zoo.sources.gguf import GGUFSource
 from zoo.tools.plan import plan_config, plan_gguf
 
 # GLM-5.3-Flash as docs/reference.md section 1 describes it (transformers' glm5_next defaults), with
-# its MTP layer; zoo.plan("glm53-flash") reads the same from configs/glm53-flash.json once it exists.
+# its MTP layer; zoo.plan("glm53-flash") reads the same from zoo/configs/glm53-flash.json once it exists.
 GLM53_FLASH = {"model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096,
                "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 45,
                "num_attention_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 288,

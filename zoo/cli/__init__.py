@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    g.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipes)")
+    g.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipe)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
     g.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")

@@ -28,6 +28,7 @@ from zoo.engine.sampling import draw, probs
 from zoo.engine.token_mask import apply_token_mask
 from zoo.models.contract import CausalLMContract
 from zoo.models.shared.cache import ModelCache
+from zoo.models.shared.layers import take_step
 
 
 def accept(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array):
@@ -70,11 +71,6 @@ def _accept_sampled(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Arr
     return n_acc, draw(split[:, 1], residual, greedy)
 
 
-def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """Row b of x [B, T, ...] at position idx[b] -> [B, ...]."""
-    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
-
-
 def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
           params: dict, k: int):
     """Phase 1 of a step: MTP catch-up on the pending rows, then k chained drafts.
@@ -90,7 +86,7 @@ def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax
     cache = cache.replace(mtp=cache.mtp.replace(slots=caught_up))
     mark = cache.mtp
     last = jnp.maximum(pending["n"] - 1, 0)
-    q_i, o_i = _at(q_logits, last), _at(o, last)
+    q_i, o_i = take_step(q_logits, last), take_step(o, last)
     qs, drafts = [], []
     for i in range(k):
         if i:
@@ -99,7 +95,7 @@ def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax
         qs.append(probs(q_i, temp, top_k, top_p))
         drafts.append(draw(sub[:, i], qs[-1], greedy))
     cache = model.mtp_restore(cache, mark)                              # drop the provisional rows
-    return cache, jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), _at(pending["tok"], last)
+    return cache, jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), take_step(pending["tok"], last)
 
 
 def verify(model: CausalLMContract, cache: ModelCache, x_m: jax.Array, drafts: jax.Array, active: jax.Array):

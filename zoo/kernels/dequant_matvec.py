@@ -39,8 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from zoo.kernels.census import record
-from zoo.kernels.formats import format_of
 from zoo.kernels.operands import Weight, plane_inputs, split_refs
+from zoo.kernels.tile_decoders import format_of
 from zoo.kernels.tiles import decode_parts, input_order, n_tiles, tiling_for
 from zoo.kernels.tpu import (
     LANES,
@@ -56,8 +56,8 @@ from zoo.kernels.tpu import (
     sub_tiles,
     table_operands,
 )
+from zoo.ops.activation import swiglu
 from zoo.ops.matmul import dense_matmul, precision_for
-from zoo.ops.moe import swiglu
 
 F32 = jnp.float32
 

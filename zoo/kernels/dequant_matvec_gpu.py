@@ -29,11 +29,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from zoo.kernels.dequant_matvec import expert_plan
-from zoo.kernels.formats import format_of
 from zoo.kernels.operands import Weight, plane_inputs, split_refs
+from zoo.kernels.tile_decoders import format_of
 from zoo.kernels.tiles import TABLES, Tiling, bits, tiling_for, to_int32, words_per_block
+from zoo.ops.activation import swiglu
 from zoo.ops.matmul import precision_for
-from zoo.ops.moe import swiglu
 
 F32 = jnp.float32
 MIN_ROWS = 16

@@ -4,7 +4,7 @@
 implementations of ``zoo.ops.matmul.matmul`` / ``zoo.ops.moe.moe``. The rule, per call (at
 trace time, from static shapes):
 
-1. **format**: a ggml type without a tile decoder (``zoo.kernels.formats``) is dequantized whole
+1. **format**: a ggml type without a tile decoder (``zoo.kernels.tile_decoders``) is dequantized whole
    (``QArray.dequantize``, bit-exact with gguf) and computed densely;
 2. **rows**: up to ``Policy.decode_rows`` rows (decode: the streams of a step, or the k+1 tokens of
    a speculative verify) take the fused dequant-matvec with de-duplicated experts
@@ -34,7 +34,7 @@ import jax
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels import grouped_matmul as gm
-from zoo.kernels.formats import format_of
+from zoo.kernels.tile_decoders import format_of
 from zoo.ops.matmul import dense_matmul
 from zoo.ops.moe import dense_moe
 

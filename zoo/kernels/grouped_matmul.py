@@ -48,8 +48,9 @@ from zoo.kernels.tpu import (
     sub_tiles,
     table_operands,
 )
+from zoo.ops.activation import swiglu
 from zoo.ops.matmul import precision_for
-from zoo.ops.moe import dense_moe, swiglu
+from zoo.ops.moe import dense_moe
 
 F32 = jnp.float32
 

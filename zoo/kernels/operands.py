@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from zoo.formats.ggml import BLOCK_LAYOUTS
-from zoo.kernels.formats import Format, format_of
+from zoo.kernels.tile_decoders import Format, format_of
 from zoo.kernels.tiles import Tiling, input_order, tiling_for
 
 

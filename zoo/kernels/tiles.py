@@ -3,7 +3,7 @@
 The plane layout (``zoo.formats.planes``) keeps every block field as ``uint32 [*lead, n_words, out]``
 with the output features on the minor (lane) axis. A *tile* is ``tb`` consecutive blocks of the
 input axis for every output column of a plane slice. A format's tile decoder
-(``zoo.kernels.formats``) turns a tile into ``float32 [..., P, tb, m, R]``: ``P`` *pieces* of
+(``zoo.kernels.tile_decoders``) turns a tile into ``float32 [..., P, tb, m, R]``: ``P`` *pieces* of
 ``m`` weights of every block (``P * m`` = weights per block, ``R`` = output columns), using only
 shifts, masks, small-table lookups and float32 products in gguf's order, so every decoded weight is
 bit-identical to ``gguf.quants.dequantize``. The same decoder runs in the jnp references (on whole arrays) and in

@@ -1,5 +1,5 @@
 """Pallas TPU (Mosaic) plumbing shared by the TPU kernels: the tile decoders
-(``zoo.kernels.formats``) reading VMEM refs, block specs and compiler parameters.
+(``zoo.kernels.tile_decoders``) reading VMEM refs, block specs and compiler parameters.
 
 Kernels DMA, per grid step, one expert's planes for a block of :data:`LANES` output columns over
 the *whole* input axis (``block_specs``: the word axis is full, so every TPU block is legal), then

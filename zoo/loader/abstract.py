@@ -38,14 +38,14 @@ from jax.sharding import NamedSharding
 from zoo import registry
 from zoo.formats import planes as P
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+from zoo.loader.apply_recipe import recipe_of, whole_gguf
 from zoo.loader.gguf_model import config_from_gguf
 from zoo.loader.open import without_vision
-from zoo.loader.recipes import recipe_of, whole_gguf
 from zoo.models.architectures import architecture
 from zoo.models.config import load_config
 from zoo.quant.int8 import Int8Weight
 from zoo.quant.qarray import QArray
-from zoo.quant.recipes import Recipe
+from zoo.quant.recipe import Recipe
 from zoo.sharding.mesh import sharding_rule
 from zoo.sources.gguf import GGUFSource
 from zoo.sources.names import NameMap, Target, Transform, layout_transform

@@ -21,9 +21,9 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from zoo import registry
+from zoo.loader.apply_recipe import recipe_of, sources_for, storage_at_load, whole_gguf
 from zoo.loader.gguf_model import gguf_architecture, open_gguf
 from zoo.loader.mmproj import find_mmproj, with_mmproj
-from zoo.loader.recipes import recipe_of, sources_for, store_for, whole_gguf
 from zoo.models.architectures import BY_MODEL_NAME, architecture
 from zoo.models.config import load_config
 from zoo.sources.fp8 import Fp8Dequantized
@@ -82,7 +82,7 @@ def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = Tr
         raise ValueError("mmproj= loads a vision tower; it cannot be combined with vision=False")
     if ckpt.suffix == ".gguf":
         gguf = GGUFSource(ckpt)
-        store = store_for(quant, gguf_architecture(gguf), dtype, gguf=True)   # the recipe checked first
+        store = storage_at_load(quant, gguf_architecture(gguf), dtype, gguf=True)   # the recipe checked first
         source, cfg, name_map, tokenizer = open_gguf(gguf)   # config, names, vocab: from the file
         mm = _mmproj_for(mmproj, vision, ckpt.parent)
         if mm is not None:
@@ -100,7 +100,7 @@ def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = Tr
         mm = _mmproj_for(mmproj, vision, gguf.parent, ckpt)
         if mm is not None:
             source, cfg, name_map = with_mmproj(source, cfg, name_map, mm, base=hf_vision)
-        store = store_for(None, cfg.arch, dtype, gguf=True)        # every tensor as stored
+        store = storage_at_load(None, cfg.arch, dtype, gguf=True)        # every tensor as stored
         return source, cfg, name_map, tokenizer or gguf_tokenizer, store, "gguf"
     if mmproj is not None:
         raise ValueError(f"mmproj= gives the vision tower of a GGUF model; {ckpt} loads from safetensors "
@@ -112,7 +112,7 @@ def open_checkpoint(ckpt: Path, quant: str | None, dtype: str, vision: bool = Tr
     if getattr(cfg, "vision", None) is not None and not has_tensors_for(source, arch.hf_name_map(cfg), "visual."):
         cfg = without_vision(cfg)           # a config naming a tower whose weights the checkpoint lacks
     source, name_map = sources_for(recipe, ckpt, cfg, source, arch.hf_name_map(cfg))   # recipes mixing in a GGUF
-    return source, cfg, name_map, tokenizer, store_for(quant, cfg.arch, dtype), "safetensors"
+    return source, cfg, name_map, tokenizer, storage_at_load(quant, cfg.arch, dtype), "safetensors"
 
 
 def _mmproj_for(mmproj, vision: bool, *directories: Path) -> Path | None:

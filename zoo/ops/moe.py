@@ -8,7 +8,7 @@ at the storage format (as ``zoo.ops.matmul`` does for plain linear layers). Unde
 (``jax.set_mesh``) the chosen implementation runs per device on its bank shards.
 
 Every expert is a clamped SwiGLU: ``down(silu(min(gate, L)) * clip(up, -L, L))`` (no clamp when
-``limit`` is None).
+``limit`` is None; ``zoo.ops.activation.swiglu``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from zoo.ops.activation import swiglu
 from zoo.ops.matmul import precision_for
 from zoo.sharding.mesh import current_mesh
 
@@ -31,14 +32,6 @@ def register_moe(bank_type: type):
         _MOE_IMPLS[bank_type] = fn
         return fn
     return deco
-
-
-def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
-    """``silu(min(gate, L)) * clip(up, -L, L)`` (plain SwiGLU when ``limit`` is None)."""
-    if limit is not None:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
 
 
 def dense_moe(x, weights, ids, gate_bank, up_bank, down_bank, limit):

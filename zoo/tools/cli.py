@@ -83,7 +83,7 @@ def add_commands(sub) -> None:
     p = sub.add_parser("plan", help="memory plan of a model x recipe x devices (no download), or of a GGUF header")
     p.add_argument("model", help="registry name, or a .gguf file (the first of a split set; local, "
                                  "hf://OWNER/REPO[@REV]/PATH.gguf or https://...)")
-    p.add_argument("--quant", default=None, help="recipe (zoo.quant.recipes); a GGUF without it: as stored")
+    p.add_argument("--quant", default=None, help="recipe (zoo.quant.recipe); a GGUF without it: as stored")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--layout", default="tp", choices=["tp", "ep"], help="mesh layout of the per-device bytes")
     p.add_argument("--budget-gb", type=float, default=None, help="per-device budget for the weights (1 GB = 1e9 B)")

@@ -7,7 +7,7 @@ alone (no download), or from a GGUF header.
 
 The tensor inventory of an architecture is written in llama.cpp's GGUF names and numpy-order
 shapes (matrices ``[out, in]``, expert banks ``[E, out, in]``); the tests check it against real
-GGUF files. Each tensor gets a storage kind from the recipe (``zoo.quant.recipes``) and its bytes:
+GGUF files. Each tensor gets a storage kind from the recipe (``zoo.quant.recipe``) and its bytes:
 
 * a ggml type: the GGUF payload (``zoo.formats.ggml.tensor_nbytes``);
 * ``"FP8"``: one byte per weight plus an f32 scale per 128x128 block (per expert for banks);
@@ -46,9 +46,9 @@ from zoo.loader.abstract import (
 )
 from zoo.loader.gguf_model import config_from_gguf
 from zoo.models.architectures import architecture
-from zoo.models.recipes import get_recipe
+from zoo.models.recipe_lookup import get_recipe
 from zoo.models.shared.inventory import Tensor
-from zoo.quant.recipes import Recipe
+from zoo.quant.recipe import Recipe
 from zoo.sharding.device_plan import plan_mesh
 from zoo.sources.gguf import GGUFSource
 

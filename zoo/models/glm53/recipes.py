@@ -1,8 +1,8 @@
-"""GLM-5.3's own quantization recipes (besides ``zoo.quant.recipes.GENERIC_RECIPES``)."""
+"""GLM-5.3's own quantization recipes (besides ``zoo.quant.recipe.GENERIC_RECIPES``)."""
 
 from __future__ import annotations
 
-from zoo.quant.recipes import GgufPart, Recipe
+from zoo.quant.recipe import GgufPart, Recipe
 
 # Unsloth's UD-IQ3_XXS GGUF of GLM-5.3-Flash: the routed experts' per-layer type mix (docs/reference.md
 # section 3; the MTP layer's experts are Q2_K/Q2_K/Q3_K), everything else from the FP8 original.

@@ -1,8 +1,8 @@
-"""Qwen3.8's own quantization recipes (besides ``zoo.quant.recipes.GENERIC_RECIPES``)."""
+"""Qwen3.8's own quantization recipes (besides ``zoo.quant.recipe.GENERIC_RECIPES``)."""
 
 from __future__ import annotations
 
-from zoo.quant.recipes import Recipe
+from zoo.quant.recipe import Recipe
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("UD-IQ3_XXS", "the whole Unsloth UD-IQ3_XXS GGUF of Qwen3.8, every tensor as stored (put it in "

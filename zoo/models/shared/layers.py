@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zoo.ops.activation import swiglu
 from zoo.ops.matmul import matmul
 
 
@@ -112,7 +113,7 @@ class Embed(nnx.Module):
 
 class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))``; with ``limit`` the GLM clamp
-    ``down(silu(min(gate, L)) * clip(up, -L, L))``."""
+    ``down(silu(min(gate, L)) * clip(up, -L, L))`` (``zoo.ops.activation.swiglu``)."""
 
     def __init__(self, dim: int, hidden: int, *, dtype, limit: float | None = None):
         self.gate_proj = Linear(dim, hidden, axes=("embed", "mlp"), dtype=dtype)
@@ -121,11 +122,7 @@ class SwiGLU(nnx.Module):
         self.limit = limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.limit is not None:
-            gate = jnp.minimum(gate, self.limit)
-            up = jnp.clip(up, -self.limit, self.limit)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 def rotary_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

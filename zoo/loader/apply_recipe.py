@@ -1,6 +1,7 @@
 """What a recipe means at load time: the storage function and the sources to fill from.
 
-    store_for(quant, arch_id, dtype, gguf) -> storage function (``zoo.quant.storage``)
+    recipe_of(quant, arch_id) -> the Recipe a ``quant=`` name means for the architecture, or None
+    storage_at_load(quant, arch_id, dtype, gguf) -> storage function (``zoo.quant.storage``)
     sources_for(recipe, checkpoint, cfg, source, names) -> (source, name map)
     whole_gguf(recipe, checkpoint) -> the GGUF a whole-GGUF recipe loads, or None
 """
@@ -11,9 +12,8 @@ import re
 from pathlib import Path
 
 from zoo.loader.gguf_model import gguf_names
-from zoo.models.recipes import get_recipe
-from zoo.quant import recipes
-from zoo.quant.recipes import Recipe
+from zoo.models.recipe_lookup import get_recipe
+from zoo.quant.recipe import Recipe, storage_of
 from zoo.quant.storage import dense_store
 from zoo.sources.gguf import GGUFSource
 from zoo.sources.gguf_header import SPLIT_NAME
@@ -25,12 +25,13 @@ def recipe_of(quant: str | None, arch_id: str) -> Recipe | None:
     return None if quant is None else get_recipe(quant, arch_id)
 
 
-def store_for(quant: str | None, arch_id: str, dtype: str, gguf: bool = False):
-    """The storage function of ``zoo.load(quant=..., dtype=...)`` for an architecture: for
-    ``quant=None``, ``dense_store`` of a float checkpoint, a GGUF's tensors as stored."""
+def storage_at_load(quant: str | None, arch_id: str, dtype: str, gguf: bool = False):
+    """The storage function of ``zoo.load(quant=..., dtype=...)`` for an architecture: the named
+    recipe's (``zoo.quant.recipe.storage_of``); for ``quant=None``, ``dense_store`` of a float
+    checkpoint, a GGUF's tensors as stored."""
     if quant is None and not gguf:
         return dense_store
-    return recipes.store_for(recipe_of(quant, arch_id), dtype, gguf)
+    return storage_of(recipe_of(quant, arch_id), dtype, gguf)
 
 
 def find_gguf(checkpoint: Path, pattern: str) -> Path:

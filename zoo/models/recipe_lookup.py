@@ -1,13 +1,15 @@
-"""The recipes an architecture has: ``zoo.quant.recipes.GENERIC_RECIPES`` plus its own
-(``zoo.models.<arch>.recipes.RECIPES``, which win on a name clash)."""
+"""Finding a recipe by name for an architecture: its recipes are ``zoo.quant.recipe.GENERIC_RECIPES``
+plus its own (``zoo.models.<arch>.recipes.RECIPES``, found through the architecture table; they win
+on a name clash)."""
 
 from __future__ import annotations
 
 from zoo.models.architectures import architecture
-from zoo.quant.recipes import GENERIC_RECIPES, Recipe
+from zoo.quant.recipe import GENERIC_RECIPES, Recipe
 
 
 def recipes_for(arch_id: str) -> dict[str, Recipe]:
+    """Every recipe of architecture ``arch_id`` by name: the generic ones and its own (own win)."""
     return {**GENERIC_RECIPES, **architecture(arch_id).part("recipes")}
 
 

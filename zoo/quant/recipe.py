@@ -12,13 +12,15 @@ A recipe has
   not apply, and a tensor no rule matches, fall back to ``fallback``;
 * ``dtype``: the parameter dtype the recipe implies, if any;
 * ``gguf_part``: parameters taken from a GGUF stored beside the original checkpoint, the rest
-  from the checkpoint itself (``zoo.loader.recipes.sources_for``: a ``zoo.sources.views.MixedSource``);
+  from the checkpoint itself (``zoo.loader.apply_recipe.sources_for``: a ``zoo.sources.views.MixedSource``);
 * ``whole_gguf``: the model is the GGUF matching this glob in the checkpoint directory, every
   tensor as stored (its per-tensor types are the file's: such a recipe has no ``plan`` rules and
   is planned from the file's header).
 
 ``GENERIC_RECIPES`` apply to every architecture; an architecture adds its own in
-``zoo.models.<arch>.recipes`` (``zoo.models.recipes.recipes_for`` joins the two).
+``zoo.models.<arch>.recipes`` (``zoo.models.recipe_lookup.recipes_for`` joins the two). ``storage_of``
+is the storage function a recipe implies; ``zoo.loader.apply_recipe.storage_at_load`` resolves a
+``quant=`` name of an architecture to it.
 ``quant=None`` loads a source as it is stored (GGUF blocks as QArrays, floats dense).
 """
 
@@ -88,7 +90,7 @@ STORES = {
 }
 
 
-def store_for(recipe: Recipe | None, dtype: str, gguf: bool = False):
+def storage_of(recipe: Recipe | None, dtype: str, gguf: bool = False):
     """The storage function for ``zoo.load(quant=..., dtype=...)`` (``dtype`` a dtype name) of a
     checkpoint directory, or of a GGUF file (``gguf``); None keeps a source as stored. Raises for
     recipes that imply another dtype, and recipes that mix in a GGUF (``gguf_part``) asked of a
