@@ -1,6 +1,7 @@
 """The package layout is a contract: which package may import which, no import cycles (function-level
-imports included), nothing below ``zoo.api`` imports it, and every architecture is one folder with
-the parts the architecture table names."""
+imports included), nothing below ``zoo.api`` imports it, every architecture is one folder with the
+parts the architecture table names, and no module of the loader, the engine or the server names an
+architecture (what they need to know of one is in its row of the table)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import zoo
-from zoo.models.architectures import ARCHITECTURES, PARTS
+from zoo.images import FAMILIES as IMAGE_FAMILIES
+from zoo.models.architectures import ARCHITECTURES, PARTS, VISION_PARTS
 from zoo.registry import REGISTRY
+from zoo.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 PACKAGE = Path(zoo.__file__).parent
 # Lowest first: a package may import only packages before it in this list (and itself).
@@ -107,9 +110,50 @@ def test_each_architecture_is_one_folder_with_every_part(arch):
     assert folder.is_dir() and a.package == f"zoo.models.{folder.name}"
     for part in PARTS:
         assert a.part(part) is not None
+    for part in VISION_PARTS if a.has_vision else ():
+        assert a.part(part) is not None
     assert a.config_class().arch == arch
     assert all(m in REGISTRY for m in a.models)
+    assert a.tool_format in TOOL_CALL_FORMATS
+    assert a.image_family is None or a.image_family in IMAGE_FAMILIES
 
 
 def test_the_registry_and_the_table_agree():
     assert {m for a in ARCHITECTURES.values() for m in a.models} == set(REGISTRY)
+
+
+def table_names() -> set[str]:
+    """Every name the architecture table knows an architecture by (lower case): ids, tool-call
+    formats, image families, HF model types, GGUF architectures, registry names."""
+    return {v.lower() for a in ARCHITECTURES.values()
+            for v in (a.id, a.tool_format, a.image_family, *a.hf_model_types, *a.gguf_architectures, *a.models) if v}
+
+
+def code_strings(path: Path):
+    """``(line, text)`` of every string literal of a file (f-string pieces included) but docstrings."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def test_loader_engine_and_server_name_no_architecture():
+    """Adding a model touches its package and its row only: no string in zoo/loader, zoo/engine or
+    zoo/server holds a name from the table (comments and docstrings aside)."""
+    names = table_names()
+    bad = [f"{m}:{line}: {text!r} names {sorted(n for n in names if n in text.lower())}"
+           for m, p in sorted(MODULES.items()) if package_of(m) in ("loader", "engine", "server")
+           for line, text in code_strings(p) if any(n in text.lower() for n in names)]
+    assert not bad, "architecture names outside the table:\n" + "\n".join(bad)
+
+
+def test_the_name_check_sees_code_strings_only(tmp_path):
+    source = tmp_path / "m.py"
+    name = sorted(ARCHITECTURES)[0]
+    source.write_text(f'"""Docstring naming {name}."""\n\n\ndef f(arch):\n    """{name} again."""\n'
+                      f'    # a comment: {name}\n    return arch == "{name}" or f"{{arch}}-{name.upper()}"\n')
+    hits = [(line, text) for line, text in code_strings(source) if any(n in text.lower() for n in table_names())]
+    assert hits == [(7, name), (7, f"-{name.upper()}")]

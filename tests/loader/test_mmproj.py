@@ -27,11 +27,13 @@ from flax import nnx
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
+import zoo.configs
 import zoo.models.glm53.vision as glm_vision
 import zoo.models.qwen38.vision as qwen_vision
 from zoo.loader.fill import fill_from_source
 from zoo.loader.mmproj import find_mmproj, load_vision_tower, mmproj_names, open_mmproj, vision_config_from_mmproj
 from zoo.loader.open import open_checkpoint
+from zoo.models.architectures import architecture
 from zoo.quant.qarray import QArray
 from zoo.sources.base import SourceError
 from zoo.sources.names import apply_transform
@@ -109,7 +111,7 @@ def test_config_from_file(ref):
         src, arch = open_mmproj(MMPROJ / family / f"mmproj-{kind}.gguf")
         assert arch == family
         assert vision_config_from_mmproj(src, arch) == cfg
-        carried = __import__(f"zoo.models.{family}.gguf_config", fromlist=["x"]).mmproj_vision_fields(src)
+        carried = architecture(family).part("mmproj_fields")(src)
         for k, v in carried.items():
             if k in hf:
                 assert v == hf[k], k
@@ -267,7 +269,7 @@ def test_whole_gguf_recipe_discovers_mmproj(tmp_path):
     """A checkpoint directory with a whole-GGUF recipe (qwen38 ``UD-IQ3_XXS``): the mmproj in the
     directory is found and checked against the model (here the qwen38 fixture's out_hidden 32 does
     not fit the tiny text GGUF's 64: the error names the discovered file)."""
-    shutil.copy(Path(__file__).resolve().parents[2] / "configs" / "qwen38-tiny.json", tmp_path / "config.json")
+    shutil.copy(Path(zoo.configs.__file__).parent / "qwen38-tiny.json", tmp_path / "config.json")
     (tmp_path / "gguf").mkdir()
     shutil.copy(DATA / "qwen38-tiny-mtp-f32.gguf", tmp_path / "gguf" / "m-UD-IQ3_XXS.gguf")
     assert open_checkpoint(tmp_path, "UD-IQ3_XXS", "float32")[1].vision is None

@@ -9,12 +9,14 @@ import pytest
 
 from zoo.text.reasoning_parser import Reasoning, ReasoningParser, Text, prompt_opens_reasoning
 from zoo.text.tool_calls import (
+    FORMATS,
     GlmToolParser,
     QwenToolParser,
     ToolCallArgs,
     ToolCallEnd,
     ToolCallStart,
-    call_prefix,
+    detect_format,
+    tool_call_format,
 )
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -148,12 +150,70 @@ def test_prompt_and_format_detection():
     assert tool_format_of("qwen38", None) == "qwen" and tool_format_of("glm53", "") == "glm"
     assert tool_format_of("qwen38", "{{ '<arg_key>' }}") == "glm"
     assert tool_format_of("other", None) is None
-    assert call_prefix("qwen", "f") == "<tool_call>\n<function=f>\n" and call_prefix("glm") == "<tool_call>"
+    assert detect_format("{{ '<function=' + name }}") == "qwen" and detect_format("plain") is None
+    assert FORMATS["qwen"].call_prefix("f") == "<tool_call>\n<function=f>\n"
+    assert FORMATS["qwen"].call_prefix() == "<tool_call>\n<function="
+    assert FORMATS["glm"].call_prefix() == "<tool_call>" and FORMATS["glm"].call_prefix("f") == "<tool_call>f"
+    assert FORMATS["qwen"].parser is QwenToolParser and FORMATS["glm"].parser is GlmToolParser
+
+
+def test_unknown_format_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown tool-call format 'hermes'; known: glm, qwen"):
+        tool_call_format("hermes")
+    assert tool_call_format("glm") is FORMATS["glm"]
 
 
 @pytest.mark.parametrize("fmt,parser", [("qwen", QwenToolParser), ("glm", GlmToolParser)])
 def test_forced_call_prefix_parses(fmt, parser):
     tail = ("<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>" if fmt == "qwen"
             else "<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>")
-    _, _, calls = check_all_splits(lambda: parser(TOOLS), call_prefix(fmt, "get_weather") + tail)
+    _, _, calls = check_all_splits(lambda: parser(TOOLS), FORMATS[fmt].call_prefix("get_weather") + tail)
     assert calls == [("get_weather", '{"city": "Rome"}')]
+
+
+def written_call(fmt, name: str, arguments: dict) -> str:
+    """A call as the server's tool-call grammar writes it from ``fmt``'s attributes: a string is raw
+    text that writes its own closing frame, any other value JSON."""
+    out = fmt.opening(name)
+    for key, value in arguments.items():
+        raw = isinstance(value, str)
+        head, tail = fmt.argument(key, raw)
+        out += head + (value + fmt.frame if raw else json.dumps(value)) + tail
+    return out + fmt.call_close
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_format_reads_what_it_writes(name):
+    """The format object's writing attributes and its parser agree: two written calls (string,
+    integer and object arguments; a multi-line string) parse back to their arguments, whatever the split."""
+    fmt = FORMATS[name]
+    first = {"city": "San Francisco", "days": 3, "opts": {"a": [1, "x"]}}
+    second = {"city": "line1\nline2", "units": "metric"}
+    text = "Checking." + written_call(fmt, "get_weather", first) + "\n" + written_call(fmt, "get_weather", second)
+    content, _, calls = check_all_splits(lambda: fmt.new_parser(TOOLS), text)
+    assert content == "Checking."
+    assert calls == [("get_weather", json.dumps(first)), ("get_weather", json.dumps(second))]
+    assert set(fmt.markers) >= {fmt.call_open} and any(m in fmt.opening("f") + fmt.argument("k", True)[0]
+                                                       for m in fmt.template_markers)
+
+
+def test_serving_takes_a_format_name_auto_or_none():
+    """``create_app``'s tool_format: "auto" (the chat template, else the architecture's row), a name,
+    None; an unknown name fails naming the choices (before any engine starts)."""
+    import zoo
+    from zoo.server.app import create_app
+    model = zoo.load("qwen38-tiny", dtype="float32")
+    assert create_app(model).state.service.tool_format is FORMATS["qwen"]
+    assert create_app(model, tool_format="glm").state.service.tool_format is FORMATS["glm"]
+    assert create_app(model, tool_format=None).state.service.tool_format is None
+    with pytest.raises(ValueError, match=r"unknown tool format 'hermes'; use one of \['glm', 'qwen'\], 'auto' or None"):
+        create_app(model, tool_format="hermes")
+
+
+def test_zoo_serve_offers_every_format():
+    from zoo.cli import build_parser
+    parser = build_parser()
+    for choice in ("auto", "none", *FORMATS):
+        assert parser.parse_args(["serve", "--tool-format", choice]).tool_format == choice
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-format", "hermes"])

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from zoo.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
+
 CONFIG_KEY = "zoo/serve/config"
 LOAD_ARGS = ("model", "quant", "dtype", "mesh", "mtp", "vision", "mmproj")
 FAIL_GRACE_S = 2.0        # after a follower failed: time for the error to reach the clients before exiting
@@ -50,7 +52,7 @@ def _non_negative(text: str) -> float:
 def add_commands(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic APIs (default: the tiny model)")
     s.add_argument("--model", default="qwen38-tiny", help="registry name or checkpoint path")
-    s.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipes)")
+    s.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipe)")
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
     s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
@@ -76,7 +78,7 @@ def add_commands(sub) -> None:
                    help="GiB of host RAM for prefixes evicted from the accelerator (default: a tenth of RAM)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (more: 429)")
     s.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait (then 503)")
-    s.add_argument("--tool-format", default="auto", choices=["auto", "qwen", "glm", "none"],
+    s.add_argument("--tool-format", default="auto", choices=["auto", *sorted(TOOL_CALL_FORMATS), "none"],
                    help="tool-call format to parse (auto: from the chat template / architecture)")
     s.add_argument("--thinking-budget", type=int, default=None, metavar="N",
                    help="force </think> after N reasoning tokens (default: unlimited; a request's own budget wins)")

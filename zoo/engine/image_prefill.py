@@ -2,8 +2,9 @@
 
 A request's prompt holds, for each of its images (``Request.images``, ``ImageInput``) in order, a run
 of exactly ``n_tokens`` placeholder ids (``config.image_token_id``); the model takes the vision tower's
-rows there (the architecture's ``multimodal`` module: ``prepare`` gives the gather index, the image
-mask and, for Qwen, the absolute M-RoPE positions of the whole prompt).
+rows there (the ``multimodal`` part of the architecture's row, ``zoo.models.architectures``:
+``prepare`` gives the gather index, the image mask and, where the text model's rotary has several
+axes, the absolute positions of the whole prompt).
 
     check_images(model, prompt, images)          ValueError: text-only model, runs not matching
     cache_tokens(prompt, images, token_id)       the prefix cache's key of the prompt
@@ -21,7 +22,6 @@ skipped when the cached prefix covers every placeholder.
 from __future__ import annotations
 
 import hashlib
-import importlib
 from typing import NamedTuple, Sequence
 
 import jax
@@ -29,14 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zoo.models.architectures import architecture
+from zoo.models.shared.vision import MMInputs
 from zoo.sharding.mesh import on_mesh
 
 
 def multimodal(model):
-    """The architecture's ``multimodal`` module, or None when ``model`` takes text only."""
+    """The architecture's ``multimodal`` module (its host side: ``prepare``), or None when ``model``
+    takes text only."""
     if getattr(model.config, "vision", None) is None or getattr(model.module, "visual", None) is None:
         return None
-    return importlib.import_module(type(model.module).__module__.rsplit(".", 1)[0] + ".multimodal")
+    return architecture(model.config.arch).part("multimodal")
 
 
 def placeholder_runs(prompt: Sequence[int], token_id: int) -> list[tuple[int, int]]:
@@ -142,4 +145,4 @@ class ImagePrefill:
             positions = np.zeros((3, 1, width), np.int32)
             positions[:, 0, :e - a] = p.positions[:, a:e]
             positions[:, 0, e - a:] = p.positions[:, e - 1:e]      # padding: the last real position
-        return self.mm.MMInputs(self._gather(p.encoded, index), jnp.asarray(is_image), positions)
+        return MMInputs(self._gather(p.encoded, index), jnp.asarray(is_image), positions)

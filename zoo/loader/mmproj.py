@@ -9,10 +9,13 @@
     find_mmproj(directories) -> Path | None                 the discovery rule (below)
     with_mmproj(source, cfg, names, path) -> (source, cfg, names)   a whole model: text GGUF + mmproj
 
-Projectors: ``qwen3vl_merger`` -> qwen38; ``glm5v`` / ``glm5next`` -> glm53 (each architecture's
-``gguf_config.MMPROJ_PROJECTORS``). The config: the fields the file carries (``clip.vision.*``
-keys and tensor shapes: ``gguf_config.mmproj_vision_fields``) over ``base`` (the text model's HF
-``vision_config``, a dict or a ``VisionConfig``, when one is known) over transformers' defaults.
+Every architecture-specific piece is a part of the architecture's row (``zoo.models.architectures``
+``VISION_PARTS``): the projector types it reads (``mmproj_projectors``; the file's
+``clip.projector_type`` picks the architecture), the config fields the file carries
+(``mmproj_fields``: ``clip.vision.*`` keys and tensor shapes), the tower's config and module
+(``vision_config``, ``vision_tower``) and the name map (``mmproj_rules``, ``mmproj_joins``). The
+config: the file's fields over ``base`` (the text model's HF ``vision_config``, a dict or a
+``VisionConfig``, when one is known) over transformers' defaults.
 
 Storage: the tower is filled through ``zoo.loader.fill.fill_from_source`` from a ``GGUFSource``; with
 the default ``as_stored`` store (what ``zoo.load`` does with GGUF tensors) Q8_0 (any block type)
@@ -28,7 +31,6 @@ more in a directory is an error (pass ``mmproj=`` or ``vision=False``).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -45,39 +47,14 @@ from zoo.sources.names import NameMap
 from zoo.sources.views import MixedSource, Part, joined
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tower:
-    """One architecture's mmproj parts."""
-
-    projectors: tuple[str, ...]
-    fields: Any             # fn(GGUFSource) -> HF vision_config fields
-    config: type            # VisionConfig
-    tower: type             # VisionTower
-    rules: Any              # fn(VisionConfig, dst) -> [Rule]
-    joins: Any              # fn(VisionConfig) -> (Join, ...)
-
-
-def _tower(arch_id: str) -> _Tower:
-    package = architecture(arch_id).package
-    gc = importlib.import_module(f"{package}.gguf_config")
-    vision = importlib.import_module(f"{package}.vision")
-    if arch_id == "qwen38":
-        rules, joins = vision.gguf_vision_rules, vision.gguf_vision_joins
-    else:
-        rules, joins = vision.gguf_rules, vision.gguf_joins
-    return _Tower(tuple(gc.MMPROJ_PROJECTORS), gc.mmproj_vision_fields, vision.VisionConfig, vision.VisionTower,
-                  rules, joins)
+def _part(arch: str, name: str):
+    """One of ``arch``'s mmproj ``VISION_PARTS`` (``zoo.models.architectures``)."""
+    return architecture(arch).part(name)
 
 
 def projectors() -> dict[str, str]:
-    """``{clip.projector_type: architecture id}`` for every architecture with an mmproj reader."""
-    out = {}
-    for arch_id in ARCHITECTURES:
-        try:
-            out.update(dict.fromkeys(_tower(arch_id).projectors, arch_id))
-        except (ImportError, AttributeError):
-            continue
-    return out
+    """``{clip.projector_type: architecture id}`` for every architecture with a vision tower."""
+    return {p: a.id for a in ARCHITECTURES.values() if a.has_vision for p in a.part("mmproj_projectors")}
 
 
 def open_mmproj(path, arch: str | None = None) -> tuple[GGUFSource, str]:
@@ -117,9 +94,8 @@ def _base_fields(base) -> dict[str, Any]:
 def vision_config_from_mmproj(src: GGUFSource, arch: str, base=None):
     """The ``VisionConfig`` of ``arch`` an mmproj describes: the file's fields over ``base`` (an HF
     ``vision_config`` dict, a whole config.json dict, or a ``VisionConfig``) over the defaults."""
-    part = _tower(arch)
     try:
-        fields = part.fields(src)
+        fields = _part(arch, "mmproj_fields")(src)
     except SourceError:
         raise
     except KeyError as e:
@@ -127,7 +103,7 @@ def vision_config_from_mmproj(src: GGUFSource, arch: str, base=None):
     except (TypeError, ValueError, IndexError) as e:
         raise SourceError(f"{src.files[0]}: mmproj metadata does not describe a {arch} vision tower ({e})") from None
     try:
-        return part.config.from_hf({**_base_fields(base), **fields})
+        return _part(arch, "vision_config").from_hf({**_base_fields(base), **fields})
     except ConfigError as e:
         raise SourceError(f"{src.files[0]}: {e}") from None
 
@@ -135,8 +111,8 @@ def vision_config_from_mmproj(src: GGUFSource, arch: str, base=None):
 def mmproj_names(vision, arch: str, dst: str = "") -> NameMap:
     """The mmproj's tensor names -> the tower's parameters under ``dst`` ("" for a bare tower), with the
     joins of the patch kernel's temporal slices."""
-    part = _tower(arch)
-    return NameMap(rules=tuple(part.rules(vision, dst)), joins=tuple(part.joins(vision)))
+    return NameMap(rules=tuple(_part(arch, "mmproj_rules")(vision, dst)),
+                   joins=tuple(_part(arch, "mmproj_joins")(vision)))
 
 
 def load_vision_tower(path, base=None, dtype=jnp.float32, store=as_stored, arch: str | None = None):
@@ -145,7 +121,8 @@ def load_vision_tower(path, base=None, dtype=jnp.float32, store=as_stored, arch:
     src, arch = open_mmproj(path, arch)
     cfg = vision_config_from_mmproj(src, arch, base)
     names = mmproj_names(cfg, arch)
-    abstract = nnx.eval_shape(lambda: _tower(arch).tower(cfg, dtype=dtype))
+    tower_class = _part(arch, "vision_tower")
+    abstract = nnx.eval_shape(lambda: tower_class(cfg, dtype=dtype))
     tower, unused = fill_from_source(abstract, joined(src, names), names, store)
     return tower, cfg, unused
 

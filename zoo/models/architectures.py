@@ -8,9 +8,15 @@
                         checkpoint and the ``text_config`` one)
     gguf_architectures  GGUF ``general.architecture`` strings (llama.cpp spells some two ways)
     models      the registry names (``zoo.registry``) of this architecture
-    tool_format the native tool-call syntax the server parses (``zoo.text.tool_calls``)
+    tool_format the native tool-call syntax the model writes: a key of ``zoo.text.tool_calls.FORMATS``
+                (the server's parser and tool-call grammar, the training corpus's calls)
+    image_family        the ``zoo.images`` preprocessing family of the model's vision tower
+                        (``ImageSpec``: resize rule, defaults, placeholder tokens); None: text only.
+                        An architecture with one provides every ``VISION_PARTS`` part too
 
-This module imports nothing from zoo, so every layer may read the table.
+This module imports nothing from zoo, so every layer may read the table; what the loader, the engine
+and the server need to know about an architecture is a field of its row or one of its parts, so no
+module outside the model's package and this table names an architecture.
 """
 
 from __future__ import annotations
@@ -29,6 +35,16 @@ PARTS = {
     "inventory": "inventory:tensors",       # fn(config) -> [Tensor] in GGUF names (the planner's)
     "recipes": "recipes:RECIPES",           # {name: Recipe}: this architecture's own recipes
 }
+# part -> "module:attribute" (or "module": the module itself), of an architecture with a vision tower
+VISION_PARTS = {
+    "vision_config": "vision:VisionConfig",      # the tower's frozen config (``from_hf(vision_config dict)``)
+    "vision_tower": "vision:VisionTower",        # the tower's NNX module, ``VisionTower(vision_config, dtype=)``
+    "multimodal": "multimodal",                  # the host side: ``prepare(ids, images, cfg) -> MMBatch``
+    "mmproj_projectors": "gguf_config:MMPROJ_PROJECTORS",   # llama.cpp ``clip.projector_type`` values it reads
+    "mmproj_fields": "gguf_config:mmproj_vision_fields",     # fn(GGUFSource) -> HF vision_config fields
+    "mmproj_rules": "vision:gguf_rules",         # fn(vision_config, dst) -> [Rule]: mmproj names -> tower
+    "mmproj_joins": "vision:gguf_joins",         # fn(vision_config) -> (Join, ...): the split patch kernel
+}
 
 
 @dataclass(frozen=True)
@@ -39,11 +55,21 @@ class Architecture:
     gguf_architectures: tuple[str, ...]
     models: tuple[str, ...]
     tool_format: str
+    image_family: str | None = None
+
+    @property
+    def has_vision(self) -> bool:
+        """The architecture has a vision tower (its ``VISION_PARTS`` exist)."""
+        return self.image_family is not None
 
     def part(self, name: str) -> Any:
-        """One of ``PARTS`` of this architecture's package (imports it on first use)."""
-        module, attr = PARTS[name].split(":")
-        return getattr(importlib.import_module(f"{self.package}.{module}"), attr)
+        """One of ``PARTS`` or ``VISION_PARTS`` of this architecture's package (imports it on first
+        use); ``ValueError`` for a vision part of a text-only architecture."""
+        if name in VISION_PARTS and not self.has_vision:
+            raise ValueError(f"the {self.id} architecture has no vision tower (no {name!r} part)")
+        module, _, attr = (PARTS.get(name) or VISION_PARTS[name]).partition(":")
+        loaded = importlib.import_module(f"{self.package}.{module}")
+        return getattr(loaded, attr) if attr else loaded
 
     def config_class(self) -> type:
         return self.part("config")
@@ -60,10 +86,11 @@ class Architecture:
 
 ARCHITECTURES: dict[str, Architecture] = {a.id: a for a in [
     Architecture("qwen38", "zoo.models.qwen38", hf_model_types=("qwen3_5", "qwen3_5_text"),
-                 gguf_architectures=("qwen35",), models=("qwen38-27b", "qwen38-tiny"), tool_format="qwen"),
+                 gguf_architectures=("qwen35",), models=("qwen38-27b", "qwen38-tiny"), tool_format="qwen",
+                 image_family="qwen3_5"),
     Architecture("glm53", "zoo.models.glm53", hf_model_types=("glm5_next", "glm5_next_text"),
                  gguf_architectures=("glm5next", "glm5-next"), models=("glm53-flash", "glm53-tiny"),
-                 tool_format="glm"),
+                 tool_format="glm", image_family="glm5_next"),
 ]}
 
 

@@ -34,7 +34,7 @@ from zoo.server.protocols import anthropic_api, openai_api, responses_api, token
 from zoo.server.service import Service
 from zoo.server.transport import BodyLimit, DrainingServer, bind, error_response
 from zoo.server.validation import ApiError
-from zoo.text.tool_calls import PARSERS, detect_format
+from zoo.text.tool_calls import FORMATS, ToolCallFormat, detect_format
 
 log = logging.getLogger("zoo.serve")
 
@@ -60,10 +60,21 @@ def _require_key(api_key: str | None):
 
 
 def tool_format_of(arch: str | None, chat_template: str | None) -> str | None:
-    """The tool-call format a model writes: from its chat template's markers, else its architecture's
-    row of the table (None: unknown, tool calls are not parsed)."""
+    """The name of the tool-call format a model writes: from its chat template's markers, else its
+    architecture's row of the table (None: unknown, tool calls are not parsed)."""
     known = ARCHITECTURES.get(arch or "")
     return detect_format(chat_template) or (known.tool_format if known is not None else None)
+
+
+def _tool_call_format(tool_format: str | None, model) -> ToolCallFormat | None:
+    """``create_app``'s ``tool_format`` -> the format (``ValueError`` naming the choices for an unknown name)."""
+    if tool_format == "auto":
+        tool_format = tool_format_of(getattr(model.config, "arch", None), model.tokenizer.chat_template)
+    if tool_format is None:
+        return None
+    if tool_format not in FORMATS:
+        raise ValueError(f"unknown tool format {tool_format!r}; use one of {sorted(FORMATS)}, 'auto' or None")
+    return FORMATS[tool_format]
 
 
 def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_batch: int = 16,
@@ -81,8 +92,9 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     length. max_batch: rows decoded together. prefill_chunk: prompt tokens per prefill program (a power
     of two; ``zoo compile`` reports the largest a target chip leaves room for). max_queue: requests that
     may wait for a row (more: 429); queue_timeout_s: how long one may wait (then 503). keepalive_s:
-    silence after which a stream gets a keep-alive comment / ping. tool_format: "qwen", "glm", None
-    (tool calls are not parsed) or "auto" (from the chat template, else ``model.config.arch``).
+    silence after which a stream gets a keep-alive comment / ping. tool_format: a key of
+    ``zoo.text.tool_calls.FORMATS``, None (tool calls are not parsed) or "auto" (from the chat
+    template, else the architecture table's row of ``model.config.arch``).
     thinking_budget: reasoning tokens after which "</think>" is forced into a chat request's output
     (None: unlimited); an Anthropic ``thinking.budget_tokens`` or OpenAI ``thinking_budget`` field
     of a request takes its place. prefix_cache_gb / prefix_cache_host_gb: the prefix cache's device
@@ -99,10 +111,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
         raise ValueError(f"thinking_budget must be >= 1, got {thinking_budget}")
     if model.tokenizer is None:
         raise ValueError("serving needs a tokenizer; this model has none")
-    if tool_format == "auto":
-        tool_format = tool_format_of(getattr(model.config, "arch", None), model.tokenizer.chat_template)
-    elif tool_format is not None and tool_format not in PARSERS:
-        raise ValueError(f"unknown tool format {tool_format!r}; use one of {sorted(PARSERS)}, 'auto' or None")
+    calls = _tool_call_format(tool_format, model)
     image_policy = image_policy or ImagePolicy()
     vision = VisionInputs.from_model(model, image_policy)        # None: text only
     generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget,
@@ -116,14 +125,14 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     engine = EngineThread(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
     name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
-    service = Service(engine, model.tokenizer, name, tool_format, context, default_max_tokens, keepalive_s,
+    service = Service(engine, model.tokenizer, name, calls, context, default_max_tokens, keepalive_s,
                       thinking_budget, vision=vision, image_policy=image_policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log.info("serving %s (tool format %s, max batch %d, spec %d, %s)", name, tool_format, max_batch, spec_tokens,
-                 "text only" if vision is None else f"images: {vision.spec.family}")
+        log.info("serving %s (tool format %s, max batch %d, spec %d, %s)", name, calls and calls.name, max_batch,
+                 spec_tokens, "text only" if vision is None else f"images: {vision.spec.family}")
         yield
         engine.stop()
 

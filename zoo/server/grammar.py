@@ -15,10 +15,9 @@ JSON is written as Python's ``json.dumps`` writes it (``", "`` and ``": "`` sepa
 whitespace): finite, and what models write themselves. Every builder raises ``GrammarError`` with
 the grammar compiler's message for a grammar it cannot compile (the server's 400).
 
-Tool calls (``tool_call_grammar``) use the formats of ``zoo.text.tool_calls``:
-
-    qwen   <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
-    glm    <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>
+Tool calls (``tool_call_grammar``) are written in a ``zoo.text.tool_calls.ToolCallFormat``: its
+call opening, each argument's framing and its closing (the format's attributes), so every format
+the parsers read has its grammar.
 
 A string-typed value is raw text (no quotes, no ``<``); an ``enum`` / ``const`` of strings is one
 of those strings; any other value is JSON constrained by its sub-schema (llguidance's inline
@@ -32,6 +31,8 @@ from __future__ import annotations
 import json
 
 import llguidance
+
+from zoo.text.tool_calls import ToolCallFormat, tool_call_format
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -103,11 +104,10 @@ def _literal(text: str, tokens: dict[str, int] | None = None) -> str:
     return " ".join(parts) or '""'
 
 
-def _value(schema: dict, framed: bool) -> tuple[str, bool]:
+def _value(schema: dict, frame: str) -> tuple[str, bool]:
     """Lark expression for one argument value (see the module doc), and whether it is raw text
-    (which may end in a newline: the lexer takes the longest match, so a raw value followed by a
-    literal starting with a newline would swallow it). ``framed``: a newline may end raw text (Qwen
-    frames values by newlines)."""
+    (which may end in the format's ``frame``: the lexer takes the longest match, so a raw value
+    followed by a literal starting with the frame would swallow it; the parser strips it)."""
     options = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if options is not None and all(isinstance(o, str) for o in options):
         return "(" + " | ".join(_literal(o) for o in options) + ")", False
@@ -115,35 +115,36 @@ def _value(schema: dict, framed: bool) -> tuple[str, bool]:
         low, high = schema.get("minLength"), schema.get("maxLength")
         if low is None and high is None:
             return "/[^<]*/", True
-        return "/[^<]{%d,%s}%s/" % (low or 0, "" if high is None else high, "\\n?" if framed else ""), True
+        tail = "(?:%s)?" % frame.encode("unicode_escape").decode() if frame else ""
+        return "/[^<]{%d,%s}%s/" % (low or 0, "" if high is None else high, tail), True
     return "%json " + json.dumps(schema), False
 
 
-def _call(fmt: str, name: str, parameters: dict) -> tuple[str, list[tuple[str, str, str, str]]]:
+def _call(fmt: ToolCallFormat, name: str, parameters: dict) -> tuple[str, list[tuple[str, str, str, str]]]:
     """A call's opening text and its arguments as (text before, value expression, text after,
     "" for a required argument or "?")."""
     props = parameters.get("properties") or {}
     required = set(parameters.get("required") or [])
     args = []
     for key, sub in props.items():
-        value, raw = _value(sub if isinstance(sub, dict) else {}, framed=fmt == "qwen")
-        if fmt == "qwen":      # a raw value takes its framing newline itself (the parser strips it)
-            head, tail = f"<parameter={key}>\n", ("" if raw else "\n") + "</parameter>\n"
-        else:
-            head, tail = f"<arg_key>{key}</arg_key><arg_value>", "</arg_value>"
+        value, raw = _value(sub if isinstance(sub, dict) else {}, fmt.frame)
+        head, tail = fmt.argument(key, raw)
         args.append((head, value, tail, "" if key in required else "?"))
-    opening = f"<tool_call>\n<function={name}>\n" if fmt == "qwen" else f"<tool_call>{name}"
-    return opening, args
+    return fmt.opening(name), args
 
 
-def tool_call_grammar(fmt: str, tools: list[dict], *, prefix: str = "", repeat: bool = True,
+def tool_call_grammar(fmt: ToolCallFormat | str, tools: list[dict], *, prefix: str = "", repeat: bool = True,
                       tokens: dict[str, int] | None = None) -> str:
-    """Grammar of tool calls of ``tools`` (OpenAI function tools) in format ``fmt`` (see the module
-    doc); ``prefix``: text of the first call already written; ``repeat``: more calls may follow;
-    ``tokens``: marker text -> the model's token id for it (markers written as those tokens)."""
-    if fmt not in ("qwen", "glm"):
-        raise GrammarError(f"tool calls: no grammar for the tool-call format {fmt!r}")
-    closing = "</function>\n</tool_call>" if fmt == "qwen" else "</tool_call>"
+    """Grammar of tool calls of ``tools`` (OpenAI function tools) in format ``fmt`` (a
+    ``ToolCallFormat`` or its name; see the module doc); ``prefix``: text of the first call already
+    written; ``repeat``: more calls may follow; ``tokens``: marker text -> the model's token id for it
+    (markers written as those tokens)."""
+    if not isinstance(fmt, ToolCallFormat):
+        try:
+            fmt = tool_call_format(fmt)
+        except ValueError as e:
+            raise GrammarError(f"tool calls: {e}") from None
+    closing = fmt.call_close
     rules, calls, firsts = [], [], []
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool)

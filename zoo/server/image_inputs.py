@@ -15,9 +15,9 @@
 
 The ImageSpec of a model: the checkpoint's ``preprocessor_config.json`` (``model.load_info["path"]``)
 when it has one (``ImageSpec.from_hf_preprocessor_config``); else the family's HF class defaults
-(``ImageSpec.qwen3_5()`` / ``.glm5_next()``: pixel bounds, mean/std, resampling) with the vision
-config's patch_size, temporal_patch_size and spatial_merge_size. Family by ``config.arch``:
-"qwen38" -> "qwen3_5", "glm53" -> "glm5_next".
+(pixel bounds, mean/std, resampling) with the vision config's patch_size, temporal_patch_size and
+spatial_merge_size. The family is the ``image_family`` of ``config.arch``'s row of the architecture
+table (``zoo.models.architectures``).
 
 Every refusal is an ``ApiError`` 400 naming the part (``messages[0].content[1]``) and the problem:
 a text-only model ("this model takes text only"), too many images, an over-large, corrupt,
@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Sequence
 
 from zoo.images import ImageError, ImageSpec, decode_image, image_key, parse_data_url, preprocess
+from zoo.models.architectures import ARCHITECTURES
 from zoo.server.validation import ApiError
 
 log = logging.getLogger("zoo.serve")
-FAMILY_OF_ARCH = {"qwen38": "qwen3_5", "glm53": "glm5_next"}
 MB = 1 << 20
 
 
@@ -80,17 +80,18 @@ def _image_input_class():
 def model_spec(model) -> ImageSpec:
     """The ``ImageSpec`` of a model with a vision tower (module docstring)."""
     cfg = model.config
-    family = FAMILY_OF_ARCH.get(getattr(cfg, "arch", None))
-    if family is None:
+    row = ARCHITECTURES.get(getattr(cfg, "arch", None) or "")
+    if row is None or row.image_family is None:
         raise ValueError(f"images: no image preprocessing is known for architecture {getattr(cfg, 'arch', None)!r}")
     v = cfg.vision
     path = (getattr(model, "load_info", None) or {}).get("path")
     pre = Path(path) / "preprocessor_config.json" if path else None
     if pre is not None and pre.is_file():
-        spec = ImageSpec.from_hf_preprocessor_config(json.loads(pre.read_text()), family)
-    else:
-        make = ImageSpec.qwen3_5 if family == "qwen3_5" else ImageSpec.glm5_next
-        spec = make(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size, merge_size=v.spatial_merge_size)
+        spec = ImageSpec.from_hf_preprocessor_config(json.loads(pre.read_text()), row.image_family)
+    else:            # the family's class defaults (every key missing) but the tower's patch sizes
+        tower_sizes = {"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+                       "merge_size": v.spatial_merge_size}
+        spec = ImageSpec.from_hf_preprocessor_config(tower_sizes, row.image_family)
     tower = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
     if (spec.patch_size, spec.temporal_patch_size, spec.merge_size) != tower:
         raise ValueError(f"images: preprocessor_config.json (patch, temporal, merge) = "

@@ -21,6 +21,7 @@ import json
 
 from zoo.server import grammar as G
 from zoo.server.validation import ApiError
+from zoo.text.tool_calls import ToolCallFormat
 
 EXTENSIONS = ("structured_outputs", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 _KINDS = {"json": "json", "regex": "regex", "grammar": "grammar", "choice": "choice", "json_object": "json_object"}
@@ -110,7 +111,7 @@ def marker_tokens(tokenizer, markers) -> dict[str, int]:
     return {m: ids[0] for m in markers if len(ids := tokenizer.encode(m)) == 1}
 
 
-def tool_output(fmt: str, tools: list[dict], *, prefix: str = "", repeat: bool = True,
+def tool_output(fmt: ToolCallFormat | str, tools: list[dict], *, prefix: str = "", repeat: bool = True,
                 tokens: dict[str, int] | None = None) -> str:
     """The grammar of the tool calls that follow ``prefix`` (``repeat``: more calls may follow the
     first; ``tokens``: ``marker_tokens``); 400 if a tool's schema does not compile."""

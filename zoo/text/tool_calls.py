@@ -12,6 +12,11 @@ is complete, ``ToolCallArgs`` with the next piece of the call's JSON arguments, 
 String values stream as they arrive; other values (typed by the tool's JSON schema) are converted
 when complete. The concatenated argument pieces are exactly ``json.dumps(arguments)``, whatever
 the split. Whitespace next to a tool call is layout and is dropped.
+
+Each format is one ``ToolCallFormat`` (``FORMATS``, by name; ``tool_call_format(name)``): its
+parser, the chat-template markers that reveal it (``detect_format``), and how a call is written
+(its opening for a forced call, each argument's framing, its closing: what the server's tool-call
+grammar emits). The architecture table names each model's format by its key.
 """
 
 from __future__ import annotations
@@ -364,21 +369,83 @@ class GlmToolParser(ToolParser):
         self._end(out)
 
 
-PARSERS = {"qwen": QwenToolParser, "glm": GlmToolParser}
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """One native tool-call syntax. A call is written
+
+        call_open + name_open + NAME + name_close
+        (key_open + KEY + key_close + frame + VALUE + frame + value_close) per argument
+        call_close
+
+    name              the format's key in ``FORMATS`` (the architecture table's ``tool_format``)
+    parser            the ``ToolParser`` subclass that reads it
+    template_markers  text whose presence in a chat template reveals the format (``detect_format``)
+    frame             the text framing each value on both sides ("\\n" for Qwen, "" for none): the
+                      parser strips it, and a raw (string) value the grammar writes may end in it
+                      itself (the lexer takes the longest match), so a raw value's closing frame is
+                      left to the value
+    """
+
+    name: str
+    parser: type[ToolParser]
+    template_markers: tuple[str, ...]
+    call_open: str
+    name_open: str
+    name_close: str
+    key_open: str
+    key_close: str
+    value_close: str
+    call_close: str
+    frame: str = ""
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The markers the parser reads (a tokenizer's special tokens that must stay text)."""
+        return self.parser.MARKERS
+
+    def new_parser(self, tools: list[dict] | None = None) -> ToolParser:
+        """A parser of this format for a request's ``tools`` (OpenAI function tools)."""
+        return self.parser(tools)
+
+    def opening(self, name: str) -> str:
+        """The text of a call of function ``name`` before its first argument."""
+        return self.call_open + self.name_open + name + self.name_close
+
+    def call_prefix(self, name: str | None = None) -> str:
+        """The text that opens a forced call: ``opening(name)`` when ``name`` is given, else up to
+        where the function name goes."""
+        return self.opening(name) if name else self.call_open + self.name_open
+
+    def argument(self, key: str, raw: bool) -> tuple[str, str]:
+        """``(text before, text after)`` one argument's value; ``raw``: the value is raw text that
+        writes its own closing frame."""
+        return (self.key_open + key + self.key_close + self.frame,
+                ("" if raw else self.frame) + self.value_close)
+
+
+QWEN = ToolCallFormat(
+    "qwen", QwenToolParser, template_markers=(QwenToolParser.FUNC, QwenToolParser.PARAM),
+    call_open=CALL_OPEN, name_open="\n" + QwenToolParser.FUNC, name_close=">\n",
+    key_open=QwenToolParser.PARAM, key_close=">", value_close=QwenToolParser.PARAM_CLOSE + "\n",
+    call_close=QwenToolParser.FUNC_CLOSE + "\n" + CALL_CLOSE, frame="\n")
+GLM = ToolCallFormat(
+    "glm", GlmToolParser, template_markers=(GlmToolParser.KEY,),
+    call_open=CALL_OPEN, name_open="", name_close="",
+    key_open=GlmToolParser.KEY, key_close=GlmToolParser.KEY_CLOSE + GlmToolParser.VALUE,
+    value_close=GlmToolParser.VALUE_CLOSE, call_close=CALL_CLOSE)
+# detect_format tries them in this order (GLM's ``<arg_key>`` is the more specific marker)
+FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (GLM, QWEN)}
+
+
+def tool_call_format(name: str) -> ToolCallFormat:
+    """The format called ``name``; ``ValueError`` naming the known ones otherwise."""
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown tool-call format {name!r}; known: {', '.join(sorted(FORMATS))}") from None
 
 
 def detect_format(chat_template: str | None) -> str | None:
-    """The tool-call format a chat template writes, from its markers (None: it shows none)."""
+    """The name of the tool-call format a chat template writes, from its markers (None: it shows none)."""
     template = chat_template or ""
-    if "<arg_key>" in template:
-        return "glm"
-    if "<function=" in template or "<parameter=" in template:
-        return "qwen"
-    return None
-
-
-def call_prefix(fmt: str, name: str | None = None) -> str:
-    """Text that opens a tool call in ``fmt`` (for a forced call; of function ``name`` if given)."""
-    if fmt == "qwen":
-        return CALL_OPEN + "\n" + QwenToolParser.FUNC + (f"{name}>\n" if name else "")
-    return CALL_OPEN + (name or "")
+    return next((f.name for f in FORMATS.values() if any(m in template for m in f.template_markers)), None)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zoo.text.reasoning_parser import ReasoningParser, Text, prompt_opens_reasoning
-from zoo.text.tool_calls import PARSERS, ToolCallArgs, ToolCallStart
+from zoo.text.tool_calls import FORMATS, ToolCallArgs, ToolCallStart
 from zoo.train.templates import chat_format, render_chat, turn_pieces
 
 WORDS = tuple("""apple banana cherry strawberry grape lemon orange melon peach pear plum mango tomato potato carrot
@@ -380,7 +380,7 @@ def corpus_text(arch: str, n: int, seed: int, tasks=TASKS, **kwargs) -> list[str
     return out
 
 
-KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))   # as zoo.server.service
+KEEP = frozenset(ReasoningParser.MARKERS).union(*(f.markers for f in FORMATS.values()))   # as zoo.server.service
 
 
 def parse_turn(example: Example, generated_text: str, turn: int = 0, template: str | None = None
@@ -395,7 +395,7 @@ def parse_turn(example: Example, generated_text: str, turn: int = 0, template: s
     for s in set(fmt.special) - KEEP:               # other control tokens are hidden by the server
         generated_text = generated_text.replace(s, "")
     reasoning = ReasoningParser(prompt_opens_reasoning(prompt(example, turn, template)))
-    parser = PARSERS[fmt.name](example.tools)
+    parser = fmt.tool_calls.new_parser(example.tools)
     events = []
     for e in reasoning.feed(generated_text) + reasoning.flush():
         events += parser.feed(e.text) if isinstance(e, Text) else []

@@ -1,7 +1,8 @@
 """The chat templates the trained demo models ship, and the special tokens each needs.
 
 Two formats, picked by ``chat_format(name)`` (``"qwen"`` / ``"glm"``, an architecture id such as
-``"qwen38"``, or a model name such as ``"glm53-tiny"``):
+``"qwen38"``, or a model name such as ``"glm53-tiny"``: the format named like the architecture
+table's ``tool_format`` of its row):
 
     qwen   Qwen3.x ChatML. ``<|im_start|>ROLE\\n ... <|im_end|>\\n``; tools listed in the system turn;
            an assistant turn after the last user message is ``<think>\\nREASONING\\n</think>\\n\\n``
@@ -44,7 +45,11 @@ from dataclasses import dataclass
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from zoo.models.architectures import ARCHITECTURES, BY_MODEL_NAME
+from zoo.text.reasoning_parser import ReasoningParser
 from zoo.text.tokenizer import Tokenizer
+from zoo.text.tool_calls import CALL_CLOSE, CALL_OPEN, ToolCallFormat
+from zoo.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 # a tool as one line: name(key: type, ...) - description
 _SIGNATURE = r"""
@@ -143,15 +148,17 @@ GLM_TEMPLATE = _SIGNATURE + r"""
 {%- endif -%}
 """
 
-MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>")     # read by the server's parsers
-GLM_ARG_MARKERS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+MARKERS = ReasoningParser.MARKERS + (CALL_OPEN, CALL_CLOSE)     # read by the server's parsers in both formats
+GLM_ARG_MARKERS = tuple(m for m in TOOL_CALL_FORMATS["glm"].markers if m not in MARKERS)   # GLM's argument tags
 
 
 @dataclass(frozen=True)
 class ChatFormat:
     """One model family's chat format.
 
-    name         "qwen" | "glm" (also the server's tool-call format, ``zoo.text.tool_calls``)
+    name         "qwen" | "glm"
+    tool_calls   the tool-call format the template writes (``zoo.text.tool_calls.FORMATS`` of the
+                 same name): the server's parser of the model's calls
     template     the jinja chat template
     special      tokens the tokenizer must have as single special tokens (in id order, pad first)
     stops        the tokens that end an assistant turn (the model writes one, then stops)
@@ -159,6 +166,7 @@ class ChatFormat:
                  config's ``eos_token``, while the model config's ``eos_token_id`` lists all ``stops``
     """
     name: str
+    tool_calls: ToolCallFormat
     template: str
     special: tuple[str, ...]
     stops: tuple[str, ...]
@@ -166,24 +174,27 @@ class ChatFormat:
 
 
 QWEN = ChatFormat(
-    "qwen", QWEN_TEMPLATE,
-    special=("<|endoftext|>", "<|im_start|>", "<|im_end|>") + MARKERS + ("<tool_response>", "</tool_response>"),
+    "qwen", TOOL_CALL_FORMATS["qwen"], QWEN_TEMPLATE,
+    special=("<|endoftext|>", "<|im_start|>", "<|im_end|>") + ReasoningParser.MARKERS
+    + TOOL_CALL_FORMATS["qwen"].markers + ("<tool_response>", "</tool_response>"),
     stops=("<|im_end|>",), final_stop="<|im_end|>")
 GLM = ChatFormat(
-    "glm", GLM_TEMPLATE,
+    "glm", TOOL_CALL_FORMATS["glm"], GLM_TEMPLATE,
     special=("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
-    + MARKERS + GLM_ARG_MARKERS + ("<tool_response>", "</tool_response>"),
+    + ReasoningParser.MARKERS + TOOL_CALL_FORMATS["glm"].markers + ("<tool_response>", "</tool_response>"),
     stops=("<|user|>", "<|observation|>"), final_stop="<|user|>")
 FORMATS = {"qwen": QWEN, "glm": GLM}
 
 
 def chat_format(name: str) -> ChatFormat:
-    """The format of ``name``: "qwen" / "glm", or an architecture id or model name starting with
-    either ("qwen38", "glm53-tiny"); ValueError for anything else."""
-    for key, fmt in FORMATS.items():
-        if name.startswith(key):
-            return fmt
-    raise ValueError(f"no chat format for {name!r}; known: qwen, glm (qwen38*, glm53*)")
+    """The format of ``name``: "qwen" / "glm", or an architecture id or registry model name (the
+    format of its row's ``tool_format``: "qwen38", "glm53-tiny"); ValueError for anything else."""
+    row = ARCHITECTURES.get(name) or BY_MODEL_NAME.get(name)
+    key = row.tool_format if row is not None else name
+    if key not in FORMATS:
+        raise ValueError(f"no chat format for {name!r}; known: {', '.join(FORMATS)}, the architecture ids "
+                         f"{', '.join(ARCHITECTURES)} and their model names")
+    return FORMATS[key]
 
 
 # Qwen2's pre-tokenizer split: letters with one leading non-letter, single digits, punctuation runs

@@ -26,7 +26,7 @@ from tests.support.helpers import rel_err
 from zoo.models.qwen38.multimodal import MMInputs, gather_rows, prepare, rope_index, text_positions
 from zoo.models.qwen38.vision import VisionConfig
 
-PRESET = Path(__file__).resolve().parents[3] / "configs" / "qwen38-tiny.json"
+PRESET = Path(__file__).resolve().parents[3] / "zoo" / "configs" / "qwen38-tiny.json"
 VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4, temporal_patch_size=2,
               spatial_merge_size=2, num_position_embeddings=16)
 TOKENS = dict(image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4)

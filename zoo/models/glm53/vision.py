@@ -45,6 +45,7 @@ from zoo.models.config import ConfigError, rope_field
 from zoo.models.shared.inventory import Tensor
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param
 from zoo.models.shared.vision import mmproj_patch_joins, mmproj_patch_parts
+from zoo.ops.activation import swiglu
 from zoo.ops.matmul import einsum
 from zoo.sources.names import HeadOrder, Join, NameMap, Rule, Transform
 
@@ -216,11 +217,7 @@ class ClampedSwiGLU(nnx.Module):
         self.act, self.limit = act, limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.limit is not None:
-            gate = jnp.minimum(gate, self.limit)
-            up = jnp.clip(up, -self.limit, self.limit)
-        return self.down_proj(_ACTS[self.act](gate) * up)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit, act=_ACTS[self.act]))
 
 
 class VisionAttention(nnx.Module):

@@ -8,7 +8,7 @@ from zoo.models.shared.inventory import Tensor
 
 
 def vision_tensors(v: VisionConfig) -> list[Tensor]:
-    """The tower's tensors as llama.cpp's mmproj stores them (``zoo.models.qwen38.vision.gguf_vision_rules``):
+    """The tower's tensors as llama.cpp's mmproj stores them (``zoo.models.qwen38.vision.gguf_rules``):
     the Conv3d patch kernel as T Conv2d kernels ``[D, C, P, P]``, matrices ``[out, in]``."""
     d, c, p, i_ = v.hidden_size, v.in_channels, v.patch_size, v.intermediate_size
     md, o = v.merged_dim, v.out_hidden_size

@@ -422,14 +422,14 @@ def gguf_patch_parts(cfg: VisionConfig) -> tuple[str, ...]:
     return mmproj_patch_parts(cfg.temporal_patch_size)
 
 
-def gguf_vision_joins(cfg: VisionConfig) -> tuple[Join, ...]:
+def gguf_joins(cfg: VisionConfig) -> tuple[Join, ...]:
     return mmproj_patch_joins(cfg.temporal_patch_size)
 
 
-def gguf_vision_rules(cfg: VisionConfig, dst: str = "visual") -> list[Rule]:
+def gguf_rules(cfg: VisionConfig, dst: str = "visual") -> list[Rule]:
     """The tower in llama.cpp's mmproj names (``convert_hf_to_gguf``'s Qwen3-VL tower: ``v.*``, the
     merger's norm ``v.post_ln`` and its MLP ``mm.0`` / ``mm.2``) -> parameters under ``dst``; the
-    patch kernel through ``gguf_vision_joins``. Used by the inventory (the planner) and by the
+    patch kernel through ``gguf_joins``. Used by the inventory (the planner) and by the
     mmproj loader (``zoo.loader.mmproj``; ``dst=""`` for a bare ``VisionTower``)."""
     d = f"{dst}." if dst else ""
     b, wb = r"v\.blk\.(?P<i>\d+)", r"(?P<p>weight|bias)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from zoo.models.qwen38.vision import VisionConfig, gguf_vision_joins, gguf_vision_rules, vision_rules
+from zoo.models.qwen38.vision import VisionConfig, gguf_joins, gguf_rules, vision_rules
 from zoo.sources.names import HeadOrder, NameMap, Rule, Transform
 
 
@@ -63,7 +63,7 @@ def _qwen35_hf_with_vision(vision: VisionConfig) -> NameMap:
 
 def qwen35_gguf_names(cfg) -> NameMap:
     """llama.cpp's ``qwen35`` GGUF layout for a ``Qwen38Config`` (docs/reference.md section 2), and
-    with a vision tower its mmproj names (``zoo.models.qwen38.vision.gguf_vision_rules``).
+    with a vision tower its mmproj names (``zoo.models.qwen38.vision.gguf_rules``).
 
     Numpy-order matrices are ``[out, in]`` ("matmul"); norms are stored ``1 + w`` ("minus_one", all but
     the DeltaNet output norm); ``ssm_a`` is ``-exp(A_log)``; every value-head tensor has its heads
@@ -102,7 +102,7 @@ def qwen35_gguf_names(cfg) -> NameMap:
     vision = getattr(cfg, "vision", None)
     return NameMap(
         ignore=(rf"{mtp}\.nextn\.(embed_tokens|shared_head_head)\.",),
-        joins=() if vision is None else gguf_vision_joins(vision),
+        joins=() if vision is None else gguf_joins(vision),
         rules=tuple(
             [Rule(r"token_embd\.weight", "embed_tokens.embedding"),
              Rule(r"output_norm\.weight", "norm.weight", "minus_one"),
@@ -113,7 +113,7 @@ def qwen35_gguf_names(cfg) -> NameMap:
              Rule(rf"{mtp}\.nextn\.shared_head_norm\.weight", "mtp.final_norm.weight", "minus_one")]
             + block(mtp, "mtp.block")
             + block(r"blk\.(?P<i>\d+)", r"layers.\g<i>")
-            + ([] if vision is None else gguf_vision_rules(vision, "visual"))
+            + ([] if vision is None else gguf_rules(vision, "visual"))
         ),
     )
 
