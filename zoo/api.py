@@ -72,7 +72,7 @@ def load(name_or_path: str | Path, *, quant: str | None = None, mesh=None, cache
          dtype="bfloat16", weights: bool = True, mtp=None, vision: bool = True, mmproj=None) -> "Model":
     """Load a model by registry name, local HF checkpoint directory or GGUF file (see module doc).
 
-    ``quant``: a recipe of the model's architecture (``zoo.models.recipes.recipes_for``), or None
+    ``quant``: a recipe of the model's architecture (``zoo.models.recipe_lookup.recipes_for``), or None
     (the source as stored). ``cache``: a directory for the repacked-weight cache
     (``zoo.weight_cache``): a matching entry there (or under the search roots, e.g. /kaggle/input)
     is restored; otherwise the model is loaded from its sources and, with ``cache`` given, saved there.
@@ -199,7 +199,9 @@ class Model:
                  prompt_logprobs: int | None = None, images=None):
         """Generate for each prompt in ``input_ids`` (a list of token lists) -> list[Generation].
 
-        ``stop``: token ids and/or strings; ``spec_tokens`` k > 0 drafts k tokens per step with the
+        ``stop``: token ids and/or strings (a stop string ends the output right before it:
+        ``Generation.tokens`` end before the token in which it starts, ``Generation.text`` keeps the
+        characters of that token before it); ``spec_tokens`` k > 0 drafts k tokens per step with the
         model's MTP head (output identical to plain decoding at temperature 0). ``logprobs`` /
         ``prompt_logprobs`` N: ``Generation.logprobs`` / ``.prompt_logprobs``, a ``TokenLogprob``
         per generated / prompt token with N alternatives (``max_new_tokens`` 0: the prompt's only).

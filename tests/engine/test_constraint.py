@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 import zoo
 from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
-from zoo.engine.generator import Generator, fork_seed
+from zoo.engine.generator import Generator
+from zoo.engine.request import fork_seed
 from zoo.engine.token_mask import apply_token_mask
 from zoo.server import grammar as G
 from zoo.server.service import KEEP

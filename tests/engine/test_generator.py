@@ -67,6 +67,44 @@ def test_stop_string_truncates(model):
     assert text.startswith(tok.decode(g.tokens))
 
 
+def mid_token_needle(tok, tokens: list[int]) -> tuple[int, str]:
+    """(i, needle): two visible characters of the output text that first occur starting inside
+    output token i (after its first character), in the second half of the output."""
+    text = tok.decode(tokens)
+    for i in range(len(tokens) // 2, len(tokens) - 1):
+        at, piece = len(tok.decode(tokens[:i])), tok.decode(tokens[i:i + 1])
+        needle = text[at + 1:at + 3]
+        if len(piece) >= 2 and piece.isascii() and needle.strip() == needle and len(needle) == 2 \
+                and text.find(needle) == at + 1:
+            return i, needle
+    raise AssertionError(f"the output {[tok.decode([t]) for t in tokens]} has no token to cut inside")
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_at_the_character(model):
+    """A stop string that starts inside a token: the engine ends the request ("stop", the stop
+    string in its stats); its text keeps the characters of that token before the stop string, its
+    tokens end before that token (as the Python API always cut them); text given to ``on_tokens``
+    only ever grows by text that stays (a possible start of the stop string is held back)."""
+    tok = model.tokenizer
+    p = tok.encode("Hello")
+    full = model.generate([p], max_new_tokens=24)[0].tokens
+    text = tok.decode(full)
+    i, needle = mid_token_needle(tok, full)
+    gen = model.generator()
+    seen = []
+    req = gen.submit(gen.make_request(p, max_new_tokens=24, stop=["never there", needle],
+                                      on_tokens=lambda r, _: seen.append(r.text)))
+    while not req.done.is_set():
+        gen.step()
+    g = req.result()
+    assert (g.finish_reason, g.stats["stop_sequence"]) == ("stop", needle)
+    assert g.text == text[:text.find(needle)] and len(g.text) > len(tok.decode(full[:i]))
+    assert g.tokens == full[:i] and g.stats["generated_tokens"] == i
+    assert all(g.text.startswith(t) for t in seen) and seen[-1] == g.text
+    assert model.generate([p], max_new_tokens=24)[0].text is None          # no stop strings: no text
+    assert model.generate([p], max_new_tokens=24, stop=["never there"])[0].text == text
+
+
 def test_chat_template_and_roundtrip(model):
     tok = model.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "Hi there"}])
@@ -124,7 +162,7 @@ def test_prompt_ids_outside_the_vocabulary_and_a_huge_top_k(model):
     error, not a silently clipped lookup) and takes any top_k (past the vocabulary: every token)."""
     gen = model.generator()
     for bad in ([2**40], [-1], [model.config.vocab_size]):
-        with pytest.raises(ValueError, match="outside the vocabulary"):
+        with pytest.raises(ValueError, match="not in the vocabulary"):
             gen.make_request([5] + bad, max_new_tokens=2)
     prompt = [5, 17, 200, 33]
     huge = model.generate([prompt], max_new_tokens=4, top_k=2**40)[0]

@@ -97,6 +97,24 @@ def test_spec_respects_stop_tokens(models, plain_runs):
     assert spec.tokens == full[:first] and spec.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_spec_stops_at_a_stop_string_as_plain_decoding(models, plain_runs, k):
+    """A step that accepts several tokens stops at the one completing the stop string: the same
+    tokens, text and finish as plain decoding, however the drafts fall."""
+    which = "qwen38-tiny/bigram"
+    tok = models[which].tokenizer
+    text = tok.decode(plain_runs[which][0].tokens)
+    at = next(i for i in range(len(text) // 3, len(text) - 1) if text[i:i + 2].strip() == text[i:i + 2])
+    needle = text[at:at + 2]
+    kw = dict(max_new_tokens=N_NEW, stop=[needle])
+    plain = models[which].generate([PROMPTS[0]], **kw)[0]
+    spec = models[which].generate([PROMPTS[0]], spec_tokens=k, **kw)[0]
+    assert (plain.finish_reason, plain.stats["stop_sequence"], plain.text) == ("stop", needle, text[:text.find(needle)])
+    assert (spec.tokens, spec.text, spec.finish_reason, spec.stats["stop_sequence"]) == \
+        (plain.tokens, plain.text, "stop", needle)
+    assert spec.stats["accepted"] > 0
+
+
 def test_sampled_spec_is_reproducible_and_batch_independent(models):
     model = models["glm53-tiny/bigram"]
     kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=5)

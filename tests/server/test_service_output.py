@@ -4,7 +4,8 @@ strings across tokens, control tokens hidden, parser markers kept) and the coale
 from __future__ import annotations
 
 from zoo.registry import embedded_path
-from zoo.server.service import KEEP, OutputParser, TextDecoder, coalesce
+from zoo.server.service import KEEP, OutputParser, coalesce
+from zoo.text.detokenize import TextDecoder
 from zoo.text.reasoning_parser import Reasoning, Text
 from zoo.text.tokenizer import Tokenizer
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 import zoo
 from tests.support.random_checkpoints import random_tiny_checkpoint
 from tests.support.server_helpers import GLM_TEMPLATE, QWEN_TEMPLATE, checkpoint_with_template
-from zoo.engine.generator import fork_seed
+from zoo.engine.request import fork_seed
 from zoo.server.app import ServerThread, create_app
 
 KEY = "test-key"

@@ -11,8 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from zoo.server.service import KEEP, Service, TextDecoder
+from zoo.server.service import KEEP, Service
 from zoo.server.structured import marker_tokens
+from zoo.text.detokenize import TextDecoder
 from zoo.text.reasoning_parser import Reasoning, Text
 from zoo.text.tool_calls import ToolCallArgs, ToolCallStart, detect_format
 from zoo.train import corpus as C

@@ -1,7 +1,10 @@
 """Generator: continuous batching over a loaded model, plain or MTP-speculative decoding.
 
-Requests join and leave between steps. Device state is one *batch* pytree whose leaves all lead
-with the row axis ``[B, ...]``::
+A request is its prompt (ids, images) and one ``RequestOptions`` (``zoo.engine.options``: sampling,
+limits, stop strings and ids, choices, logprobs, grammar, thinking budget, cache marks, text), checked
+once by ``make_request`` (which builds it from keywords for the Python API) and kept unchanged in
+``Request.options``. Requests join and leave between steps. Device state is one *batch* pytree whose
+leaves all lead with the row axis ``[B, ...]``::
 
     cache   the model's cache for B rows and L token slots (KV slots + recurrent states)
     carry   plain: {"tok": [B]} the last sampled token, not yet fed to the model
@@ -47,6 +50,12 @@ admission the tower runs once per image, each prefill piece takes its slice of t
 Qwen's absolute M-RoPE positions; GLM's MTP layer the same rows), decoding is text. The prefix
 cache keys a prompt with images by ``Request.cache_tokens`` (placeholders replaced by content ids).
 
+Stop strings and text (``zoo.text.detokenize``): a request whose options have stop strings or ask
+for text gets a ``TextDecoder``; each step's tokens go through it, so ``Request.text`` grows by what
+is final (a possible start of a stop string is held back), and a stop string ends the request here
+(finish "stop", ``stats["stop_sequence"]``): its text ends right before it, its ``tokens`` before the
+token in which it starts. Every process of a multi-process engine stops alike.
+
 Forced tokens: a request may have ids queued in ``Request.forcing`` (a thinking budget closing the
 reasoning, ``zoo.engine.thinking_budget``); each step then emits the next of them for that row instead of
 sampling (speculative rows reject their drafts that step), and the model continues from it.
@@ -74,16 +83,18 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from zoo.engine import speculative
 from zoo.engine.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
 from zoo.engine.image_prefill import ImagePrefill, cache_tokens, check_images, multimodal
-from zoo.engine.logprobs import MAX_TOP, TokenLogprob, records, to_numpy, token_logprobs, top_bucket
+from zoo.engine.logprobs import TokenLogprob, records, to_numpy, token_logprobs, top_bucket
 from zoo.engine.masked_step import MaskedPrograms, pick_next
+from zoo.engine.options import RequestOptions, check_token_ids
 from zoo.engine.prefix_cache import PrefixCache, Snapshot, token_strides
 from zoo.engine.prefix_rows import PrefixRows
-from zoo.engine.request import Generation, ImageInput, Request, fork_seed
+from zoo.engine.request import Generation, ImageInput, Request
 from zoo.engine.rows import default_memory_budget, embed, first_token, place
 from zoo.engine.sampling import flag_nonfinite, row_keys
 from zoo.engine.thinking_budget import ThinkingBudget
 from zoo.sharding.cache_axes import cache_shardings, shard_cache
 from zoo.sharding.mesh import host_value, on_mesh
+from zoo.text.detokenize import TextDecoder, hidden_special_tokens
 
 log = logging.getLogger("zoo.serve")
 PREFILL_CHUNK = 1024
@@ -311,13 +322,13 @@ class Generator:
         """Token slots a request occupies: the widest write of its prefill pieces (from a cached
         prefix of ``start`` tokens), or its prompt, new tokens and the verify overshoot."""
         n = len(req.prompt)
-        written = max(a + w for a, _, w, _ in self._plan(start, n, req.cache_marks))
-        return max(written, n + req.max_new_tokens + self.k + 1)
+        written = max(a + w for a, _, w, _ in self._plan(start, n, req.options.cache_marks))
+        return max(written, n + req.options.max_new_tokens + self.k + 1)
 
     def _lookup(self, req: Request) -> Snapshot | None:
         """The longest cached prefix ``req`` may start from (at least one prompt token stays to
         prefill: its logits give the first token); none when it asks for the prompt's logprobs."""
-        if self.prefix is None or req.prompt_logprobs is not None or len(req.prompt) < 2:
+        if self.prefix is None or req.options.prompt_logprobs is not None or len(req.prompt) < 2:
             return None
         return self.prefix.lookup(self._rows_io.root, self._key(req), len(req.prompt) - 1)
 
@@ -392,15 +403,16 @@ class Generator:
             cache, hidden = self._rows_io.restore(snap, cache)
             if hidden is not None:
                 h_prev = hidden
-        if self.prefix is not None and req.prompt_logprobs is None and n >= 2:
+        opts = req.options
+        if self.prefix is not None and opts.prompt_logprobs is None and n >= 2:
             self.prefix.stats.hits += snap is not None
             self.prefix.stats.hit_tokens += start
             self.prefix.stats.miss_tokens += n - start
-        prompt_top = top_bucket([] if req.prompt_logprobs is None else [req.prompt_logprobs])
+        prompt_top = top_bucket([] if opts.prompt_logprobs is None else [opts.prompt_logprobs])
         scored = []                                   # per piece: logprobs of the token after each position
         prompt = np.asarray(req.prompt, np.int32)
         images = None if not req.images else self._images.start(self._state, req, start)
-        for a, e, w, snapshot in self._plan(start, n, req.cache_marks):
+        for a, e, w, snapshot in self._plan(start, n, opts.cache_marks):
             ids = np.zeros((1, w), np.int32)
             mask = np.zeros((1, w), bool)
             nxt = np.zeros((1, w), np.int32)
@@ -417,12 +429,12 @@ class Generator:
         prompt_lps = None
         if prompt_top is not None:
             at_pos = {key: np.concatenate([s[key] for s in scored])[:n - 1] for key in scored[0]}
-            prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, req.prompt_logprobs)
+            prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, opts.prompt_logprobs)
         for member, r in zip(group, at):
             member.prompt_token_logprobs = prompt_lps
             member.stats.update(prompt_tokens=n, cached_tokens=start, drafted=0, accepted=0,
                                 accepted_by_position=[0] * self.k, steps=0)
-            if member.max_new_tokens == 0:            # prompt logprobs only: no row kept
+            if opts.max_new_tokens == 0:              # prompt logprobs only: no row kept
                 member.stats["time_to_first_token"] = time.perf_counter() - t0
                 self._finish(member, "length")
                 continue
@@ -432,14 +444,14 @@ class Generator:
     def _start_row(self, req: Request, r: int, logits, h_last, cache) -> None:
         """Sample ``req``'s first token from the prefill's last ``logits`` (masked by its grammar) and
         put the prefilled ``cache`` with its carry and parameters into row ``r``."""
-        params = {"temperature": np.float32([req.temperature]), "top_k": np.int32([req.top_k]),
-                  "top_p": np.float32([req.top_p]), "seed": np.uint32([req.seed & 0xFFFFFFFF]),
-                  "step": np.int32([1])}
+        opts = req.options
+        params = {"temperature": np.float32([opts.temperature]), "top_k": np.int32([min(opts.top_k, self.vocab)]),
+                  "top_p": np.float32([opts.top_p]), "seed": np.uint32([req.choice_seed]), "step": np.int32([1])}
         mask = None
         if req.constraint is not None:
             mask = np.full((1, self._mask_words), -1, np.int32)
             req.constraint.fill(mask)
-        first_top = top_bucket([] if req.logprobs is None else [req.logprobs])
+        first_top = top_bucket([] if opts.logprobs is None else [opts.logprobs])
         first = self._first_fn(logits, params, top_n=first_top, mask=mask)
         first_lp = None
         if first_top is not None:
@@ -447,7 +459,7 @@ class Generator:
         if int(first[0]) < 0:
             raise FloatingPointError("the model's logits for this prompt are not finite (NaN or inf)")
         if first_top is not None:
-            first_lp = records([int(first[0])], {key: v[0] for key, v in to_numpy(out).items()}, req.logprobs)
+            first_lp = records([int(first[0])], {key: v[0] for key, v in to_numpy(out).items()}, opts.logprobs)
         self._batch = self._place_fn(self._batch, cache, first, h_last, params, r)
         req.raw.append(int(first[0]))
         self._deliver(req, [int(first[0])], first_lp)
@@ -462,15 +474,8 @@ class Generator:
         return req
 
     def check(self, req: Request) -> None:
-        """``ValueError`` for a request ``submit`` refuses (before it is queued anywhere)."""
-        if not req.prompt:
-            raise ValueError("a request needs at least one prompt token")
-        if req.max_new_tokens < (0 if req.prompt_logprobs is not None else 1):
-            raise ValueError("max_new_tokens must be >= 1 (0 only with prompt_logprobs)")
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(req, name)
-            if n is not None and not 0 <= n <= MAX_TOP:
-                raise ValueError(f"{name} must be in 0..{MAX_TOP}, got {n}")
+        """``ValueError`` for a request ``submit`` refuses (before it is queued anywhere): its images
+        (its options and prompt ids were checked by ``make_request``)."""
         check_images(self.model, req.prompt, req.images)      # a text-only model, runs not matching
 
     def cancel(self, req: Request) -> None:
@@ -505,7 +510,7 @@ class Generator:
             return bool(self._waiting)
         force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
         cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
-        top_n = top_bucket([r.logprobs for r in self._rows if r is not None and r.logprobs is not None])
+        top_n = top_bucket([r.options.logprobs for r in self._rows if r is not None and r.options.logprobs is not None])
         args = (jnp.asarray(active), jnp.asarray(force), jnp.asarray(cap))
         self.steps += 1
         try:
@@ -561,7 +566,7 @@ class Generator:
 
     def _take_step(self, req: Request, new: list[int], scored: dict | None, forced: bool) -> None:
         """Record one step's tokens ``new`` of ``req`` (``scored``: their logprob leaves) and deliver them."""
-        recs = records(new, scored, req.logprobs) if req.logprobs is not None else None
+        recs = records(new, scored, req.options.logprobs) if req.options.logprobs is not None else None
         req.stats["steps"] += 1
         req.raw.extend(new)
         if forced:
@@ -632,63 +637,64 @@ class Generator:
 
     def _room(self, req: Request) -> int:
         """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""
-        room = min(self.k + 1, req.max_new_tokens - len(req.tokens))
+        room = min(self.k + 1, req.options.max_new_tokens - len(req.tokens))
         thinking = None if req.thinking is None else req.thinking.room()
         return max(1, room if thinking is None else min(room, thinking))
 
     def _deliver(self, req: Request, new: list[int], recs: list[TokenLogprob] | None = None,
                  forced: bool = False) -> None:
-        """Append sampled tokens (and their logprob records, aligned), applying stop ids, stop
-        strings, the length limit and the output grammar (``forced``: tokens the engine forced)."""
+        """Append sampled tokens (and their logprob records, aligned) and their text, applying stop
+        ids, the length limit, the output grammar (``forced``: tokens the engine forced) and stop
+        strings (the tokens up to the one that completes one are delivered; then the request's
+        ``tokens`` are cut before the one in which it starts, see the module doc)."""
         if req.finish_reason is not None:
             return
         accepted, stopped = [], False
+        limit = req.options.max_new_tokens
         for tok in new:
             if tok in req.stop_ids:
                 stopped = True
                 break
             accepted.append(tok)
-            if len(req.tokens) + len(accepted) >= req.max_new_tokens:
+            if len(req.tokens) + len(accepted) >= limit:
                 break
         c = req.constraint
         if c is not None:
             accepted = accepted[:c.advance(accepted, forced)]
-        self._emit(req, accepted, recs)
+        text, d = "", req.decoder
+        if d is not None:
+            text = d.feed(accepted)
+            accepted = accepted[:d.taken]
+        self._emit(req, accepted, recs, text)
         if c is not None and c.error is not None:
             req.stats["error"] = c.error
             return self._finish(req, "error")
+        if d is not None and d.stopped is not None:
+            req.stats["stop_sequence"] = d.stopped
+            del req.tokens[d.tokens_before_stop(req.tokens):]
+            del req.token_logprobs[len(req.tokens):]
+            return self._finish(req, "stop")
         if stopped or (c is not None and c.complete):
             return self._finish(req, "stop")
         if req.thinking is not None:
             req.forcing.extend(req.thinking.observe(accepted))
-        if req.stop_strings and self._cut_at_stop_string(req):
-            return self._finish(req, "stop")
-        if len(req.tokens) >= req.max_new_tokens:
+        if len(req.tokens) >= limit:
             self._finish(req, "length")
 
-    def _emit(self, req: Request, tokens: list[int], recs: list[TokenLogprob] | None = None) -> None:
+    def _emit(self, req: Request, tokens: list[int], recs: list[TokenLogprob] | None = None, text: str = "") -> None:
         if tokens:
             if recs is not None:
                 req.token_logprobs.extend(recs[:len(tokens)])
             req.tokens.extend(tokens)
+            req.text += text
             if req.on_tokens is not None:
                 req.on_tokens(req, tokens)
-
-    def _cut_at_stop_string(self, req: Request) -> bool:
-        tok = self.model.tokenizer
-        text = tok.decode(req.tokens)
-        hits = [text.find(s) for s in req.stop_strings if s in text]
-        if not hits:
-            return False
-        cut = min(hits)
-        while req.tokens and len(tok.decode(req.tokens)) > cut:
-            req.tokens.pop()
-        del req.token_logprobs[len(req.tokens):]
-        return True
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.finish_reason is None:
             req.finish_reason = reason
+        if req.decoder is not None:
+            req.text += req.decoder.flush()        # a held-back partial stop string is text after all
         if req in self._rows:
             r = self._rows.index(req)
             if self.prefix is not None and req.raw and req.finish_reason != "error":   # a failed row's state
@@ -709,44 +715,40 @@ class Generator:
                 log.exception("a request's on_finish callback failed")
 
     # -- Python API ---------------------------------------------------------------------------
-    def make_request(self, prompt: Sequence[int], *, max_new_tokens: int, temperature=0.0, top_p=1.0,
-                     top_k=0, seed=0, stop=None, on_tokens=None, on_finish=None, on_admit=None,
-                     thinking_budget: int | None = None, thinking_opened: bool = False,
-                     logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
-                     grammar: OutputGrammar | None = None, constraints: Sequence[Constraint] | None = None,
-                     cache_marks: Sequence[int] = (), images: Sequence[ImageInput] = ()) -> Request:
-        """``thinking_budget``: reasoning tokens after which ``</think>`` is forced (see
-        ``zoo.engine.thinking_budget``); ``thinking_opened``: the prompt ends inside ``<think>``.
-        ``logprobs`` / ``prompt_logprobs``: report log-probabilities of the generated / prompt tokens
-        with that many alternatives each (None: not computed; see the module doc). ``n``: choices of
-        the prompt (the first is returned, the others in its ``forks``; choice i samples with
-        ``fork_seed(seed, i)``). ``grammar``: constrain the output (a ``Constraint`` per choice is
-        built from it), or ``constraints``: ready ones, one per choice. ``cache_marks``: prompt
-        positions where the prefix cache should keep a snapshot (the prompt's end always gets one).
+    def make_request(self, prompt: Sequence[int], options: RequestOptions | None = None, *, on_tokens=None,
+                     on_finish=None, on_admit=None, constraints: Sequence[Constraint] | None = None,
+                     images: Sequence[ImageInput] = (), **fields) -> Request:
+        """A request for ``prompt`` with ``options`` (a ``RequestOptions``), or with its fields as
+        keywords (``RequestOptions.build``: ``max_new_tokens``, ``temperature``, ``stop`` as token ids
+        and/or strings, ``n``, ``grammar``, ...). The options and the prompt's ids are checked here,
+        once: ``ValueError`` names what this engine cannot serve (``TokenIdError`` for an id outside
+        the vocabulary). With ``n`` choices the first is returned, the others in its ``forks`` (the
+        prompt is prefilled once; choice i samples with ``fork_seed(seed, i)``). ``constraints``:
+        ready ``Constraint``s, one per choice (else each is compiled from ``options.grammar``).
         ``images``: the prompt's images (``ImageInput``), each filling its run of placeholder ids."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        bad = [t for t in prompt if not 0 <= int(t) < self.vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0 .. {self.vocab - 1})")
-        top_k = min(int(top_k), self.vocab)          # top_k >= vocabulary size keeps every token: the same
-        if constraints is None and grammar is not None:
-            constraints = [self.constraint(grammar) for _ in range(n)]
+        if options is None:
+            options = RequestOptions.build(**fields)
+        elif fields:
+            raise TypeError(f"make_request takes options or their fields, not both ({', '.join(sorted(fields))})")
+        options.check(self.vocab, self.model.tokenizer)
+        if not prompt:
+            raise ValueError("a request needs at least one prompt token")
+        check_token_ids(prompt, self.vocab, "prompt")
+        n = options.n
+        if constraints is None and options.grammar is not None:
+            constraints = [self.constraint(options.grammar) for _ in range(n)]
         if constraints is not None and len(constraints) != n:
             raise ValueError(f"{len(constraints)} constraints for {n} choices")
-        stop = [] if stop is None else [stop] if isinstance(stop, (str, int)) else list(stop)
-        strings = tuple(s for s in stop if isinstance(s, str))
-        if strings and self.model.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
-        ids = frozenset(int(s) for s in stop if not isinstance(s, str)) | self.eos_token_ids
+        stop_ids = frozenset(options.stop_token_ids) | self.eos_token_ids
+        hidden = hidden_special_tokens(self.model.tokenizer, options.keep_special) if options.needs_text else None
         group = []
         for i in range(n):
-            thinking = None if thinking_budget is None else self.thinking_budget(thinking_budget, thinking_opened)
-            group.append(Request(list(map(int, prompt)), int(max_new_tokens), float(temperature), float(top_p),
-                                 int(top_k), fork_seed(int(seed), i), ids, strings, on_tokens, on_finish, on_admit,
-                                 thinking, logprobs=logprobs, prompt_logprobs=prompt_logprobs, choice=i,
-                                 constraint=None if constraints is None else constraints[i],
-                                 cache_marks=tuple(sorted(int(m) for m in cache_marks)), images=tuple(images)))
+            thinking = (None if options.thinking_budget is None
+                        else self.thinking_budget(options.thinking_budget, options.thinking_opened))
+            decoder = TextDecoder(self.model.tokenizer, hidden, options.stop) if options.needs_text else None
+            group.append(Request(list(map(int, prompt)), options, on_tokens, on_finish, on_admit, stop_ids, thinking,
+                                 decoder, choice=i, constraint=None if constraints is None else constraints[i],
+                                 images=tuple(images)))
         group[0].forks = group[1:]
         return group[0]
 

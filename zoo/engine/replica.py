@@ -2,10 +2,10 @@
 
 Every process of a multi-process job (``zoo.distributed``) holds the same ``Generator`` over the same
 global model, and must run the same device programs in the same order. The generator's host logic is
-deterministic given what it is told before each step: which requests arrived (their prompt ids,
-sampling parameters, seed, stop ids and strings, grammar, thinking budget, choices) and which were
-cancelled. So the leader publishes that, per step, through JAX's distributed key-value store, and
-each follower applies it to its own generator and steps::
+deterministic given what it is told before each step: which requests arrived (their prompt ids and
+their ``RequestOptions``: sampling, seed, stop ids and strings, grammar, thinking budget, choices,
+...) and which were cancelled. So the leader publishes that, per step, through JAX's distributed
+key-value store, and each follower applies it to its own generator and steps::
 
     leader                                   follower
     submit / cancel (any thread): queued      loop: plan n = get("zoo/plan/n") (blocks)
@@ -14,8 +14,10 @@ each follower applies it to its own generator and steps::
     close: put a plan with "stop"            ends on a plan with "stop"
 
 Only the leader's requests have callbacks (it serves HTTP); a follower's copies only drive its
-programs. Plans are JSON; a request's arguments are ``Generator.make_request``'s, minus callbacks
-(an output grammar travels as its ``OutputGrammar``; each process compiles its own matcher).
+programs. Plans are JSON; a request travels as its prompt ids and its options object
+(``RequestOptions.to_json``, every field of it: an option added there needs no change here; the
+output grammar as its ``OutputGrammar``, each process compiles its own matcher). Stop strings are
+matched by each process's engine, so the followers end a request where the leader does.
 
 ``Leader`` has the generator methods the server's engine thread uses (``make_request``, ``submit``,
 ``cancel``, ``run_forever``, ``faults``, ...), so ``zoo serve`` puts it where a ``Generator`` would
@@ -24,16 +26,13 @@ be; ``zoo.engine.replica_watch`` keeps the processes' liveness.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
 
-from zoo.engine.constraint import OutputGrammar
+from zoo.engine.options import RequestOptions
 
 PLAN_KEY = "zoo/plan"
-REPLAYED_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "thinking_budget",
-                 "thinking_opened", "logprobs", "prompt_logprobs", "n", "cache_marks")
 
 
 class Channel:
@@ -74,31 +73,15 @@ class Channel:
             self.client.key_value_delete(f"{self.prefix}/{i}")
 
 
-def request_args(prompt, kwargs: dict) -> dict:
-    """The JSON-able arguments of a ``make_request`` call (callbacks dropped)."""
-    if kwargs.get("images"):              # the followers would prefill without them and drift from process 0
-        raise ValueError("images are not served over several processes yet: serve the model on one host "
-                         "for image requests")
-    out = {"prompt": [int(t) for t in prompt]}
-    for key in REPLAYED_ARGS:
-        if key in kwargs:
-            value = kwargs[key]
-            out[key] = list(value) if isinstance(value, tuple) else value
-    grammar = kwargs.get("grammar")
-    if kwargs.get("constraints") is not None and grammar is None:
-        raise ValueError("a replicated request's constraints need their grammar (the followers build their own)")
-    if grammar is not None:
-        out["grammar"] = dataclasses.asdict(grammar)
-    return out
+def request_args(req) -> dict:
+    """The JSON-able arguments that rebuild request ``req`` (its first choice) on another process:
+    its prompt ids and ``options.to_json()``."""
+    return {"prompt": [int(t) for t in req.prompt], "options": req.options.to_json()}
 
 
-def _grammar(d: dict | None) -> OutputGrammar | None:
-    if d is None:
-        return None
-    reasoning = d.get("reasoning")
-    return OutputGrammar(d["grammar"], tuple(tuple(w) for w in d.get("wait", ())),
-                         None if d.get("rearm") is None else tuple(d["rearm"]),
-                         None if reasoning is None else (reasoning[0], tuple(reasoning[1])))
+def replay_request(generator, args: dict):
+    """The request ``request_args`` described, made by ``generator`` (a follower's)."""
+    return generator.make_request(args["prompt"], RequestOptions.from_json(args["options"]))
 
 
 class Leader:
@@ -122,10 +105,16 @@ class Leader:
     def constraint(self, grammar):
         return self.gen.constraint(grammar)
 
-    def make_request(self, prompt, **kwargs):
-        args = request_args(prompt, kwargs)             # refuses what cannot be replayed, before building
-        req = self.gen.make_request(prompt, **kwargs)
-        req.replica_args = args
+    def make_request(self, prompt, options: RequestOptions | None = None, **kwargs):
+        """``Generator.make_request``, refusing what the followers cannot replay: images (they would
+        prefill without them and drift from process 0), constraints without their grammar."""
+        if kwargs.get("images"):
+            raise ValueError("images are not served over several processes yet: serve the model on one host "
+                             "for image requests")
+        req = self.gen.make_request(prompt, options, **kwargs)
+        if kwargs.get("constraints") is not None and req.options.grammar is None:
+            raise ValueError("a replicated request's constraints need their grammar (the followers build their own)")
+        req.replica_args = request_args(req)
         return req
 
     def submit(self, req):
@@ -197,9 +186,7 @@ class Follower:
                 return self.n
             for e in plan["events"]:
                 if "submit" in e:
-                    args = dict(e["args"])
-                    prompt, grammar = args.pop("prompt"), _grammar(args.pop("grammar", None))
-                    self.reqs[e["submit"]] = self.gen.submit(self.gen.make_request(prompt, grammar=grammar, **args))
+                    self.reqs[e["submit"]] = self.gen.submit(replay_request(self.gen, e["args"]))
                 elif e["cancel"] in self.reqs:
                     first = self.reqs[e["cancel"]]
                     self.gen.cancel(([first] + first.forks)[e.get("choice", 0)])

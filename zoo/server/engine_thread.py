@@ -1,11 +1,14 @@
 """The engine thread and the bounded queue in front of it; each request is an async ``Job``.
 
 One thread runs ``Generator.run_forever`` and owns the device. HTTP handlers run on the asyncio
-loop: ``EngineThread.submit`` hands a request to the generator (or answers 429 when ``max_queue``
-requests already wait for a batch row); the engine's callbacks (engine thread) reach the job
-through ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``. A job is *admitted* when the
-engine gives it a batch row (its prefill starts); ``Job.admitted`` gives up after ``queue_timeout_s``
-with 503, so the wait limit counts queueing only, never prefill or compilation.
+loop: ``EngineThread.submit`` hands a request (prompt ids and the ``RequestOptions`` the service
+built, passed on unchanged) to the generator (or answers 429 when ``max_queue`` requests already
+wait for a batch row); the engine's callbacks (engine thread) reach the job through
+``loop.call_soon_threadsafe`` into an ``asyncio.Queue``: the tokens of each step, their logprob
+records and the text the engine decoded of them (cut before a stop string, which ends the request
+in the engine). A job is *admitted* when the engine gives it a batch row (its prefill starts);
+``Job.admitted`` gives up after ``queue_timeout_s`` with 503, so the wait limit counts queueing
+only, never prefill or compilation.
 
 Failures: a request the engine fails (``Generator`` isolates each request's faults) ends with the
 engine's error; if the engine thread itself dies, every job ends at once with that error, and a job
@@ -20,7 +23,9 @@ import asyncio
 import logging
 import threading
 import time
+from typing import Sequence
 
+from zoo.engine.options import RequestOptions
 from zoo.server.metrics import Metrics
 from zoo.server.validation import ApiError
 
@@ -38,6 +43,7 @@ class Job:
         self.req = None                     # the engine's Request
         self.admitted_to_row = False
         self.received = 0                   # tokens received so far
+        self._text_seen = 0                 # engine thread: characters of ``req.text`` passed on
         self.logprobs: list = []            # their TokenLogprob records, if the request asked for them
         self.finished = False               # the engine is done with it (or the engine failed)
         self.error: str | None = None       # set when the server ends the request (engine down, shutdown)
@@ -51,12 +57,20 @@ class Job:
         self._call(self._admit)
 
     def on_tokens(self, req, tokens: list[int]) -> None:
-        # the engine appended these tokens' records just before calling (same thread): take them now
-        recs = req.token_logprobs[len(req.token_logprobs) - len(tokens):] if req.logprobs is not None else []
-        self._call(self._arrive, (list(tokens), recs))
+        # the engine appended these tokens' records and text just before calling (same thread): take them now
+        recs = req.token_logprobs[len(req.token_logprobs) - len(tokens):] if req.options.logprobs is not None else []
+        self._call(self._arrive, (list(tokens), recs, self._new_text(req)))
 
     def on_finish(self, req) -> None:
+        held = self._new_text(req)          # text the engine held back (a partial stop string), if any
+        if held:
+            self._call(self._arrive, ([], [], held))
         self._call(self._arrive, None)
+
+    def _new_text(self, req) -> str:
+        text = req.text[self._text_seen:]
+        self._text_seen = len(req.text)
+        return text
 
     def _call(self, fn, *args) -> None:
         try:
@@ -90,9 +104,9 @@ class Job:
                                 "for a slot", code="overloaded", headers={"Retry-After": "5"}) from None
 
     async def next(self, tick: float):
-        """The tokens that arrived since the last call (waiting up to ``tick`` s) and whether the
-        request is finished: ``(tokens, done)``, or ``TICK`` when nothing arrived. Their logprob
-        records (if asked for) are appended to ``logprobs``."""
+        """The tokens and text that arrived since the last call (waiting up to ``tick`` s) and whether
+        the request is finished: ``(tokens, text, done)``, or ``TICK`` when nothing arrived. Their
+        logprob records (if asked for) are appended to ``logprobs``."""
         try:
             item = await asyncio.wait_for(self._queue.get(), tick)
         except TimeoutError:
@@ -100,20 +114,21 @@ class Job:
                 return TICK
             self.end(self.engine.error or "the engine is not running")   # the engine died meanwhile
             item = await self._queue.get()
-        tokens, done = [], False
+        tokens, text, done = [], [], False
         while True:
             if item is None:
                 done = True
             else:
                 tokens += item[0]
                 self.logprobs += item[1]
+                text.append(item[2])
             if self._queue.empty():
                 break
             item = self._queue.get_nowait()
         self.received += len(tokens)
         if done:
             self._done()
-        return tokens, done
+        return tokens, "".join(text), done
 
     def end(self, message: str, status: int = 500) -> None:
         """End the request now with ``message`` (its consumer gets a ``Finish`` with the error);
@@ -126,7 +141,7 @@ class Job:
         self._arrive(None)
 
     def cancel(self, reason: str = "cancelled") -> None:
-        """Stop the request (client gone, stop string seen, queue timeout); frees its batch row."""
+        """Stop the request (client gone, queue timeout); frees its batch row."""
         if not self.finished:
             self.reason = reason
             self.engine.generator.cancel(self.req)
@@ -224,18 +239,17 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def submit(self, prompt: list[int], **kwargs) -> Job:
+    def submit(self, prompt: list[int], options: RequestOptions, **kwargs) -> Job:
         """Queue a request (call from the event loop); 429 when the queue is full, 503 if the engine died."""
-        return self.submit_choices(prompt, **kwargs)[0]
+        return self.submit_choices(prompt, options, **kwargs)[0]
 
-    def submit_choices(self, prompt: list[int], *, max_new_tokens: int, temperature: float, top_p: float,
-                       top_k: int, seed: int, thinking_budget: int | None = None, thinking_opened: bool = False,
-                       logprobs: int | None = None, prompt_logprobs: int | None = None, n: int = 1,
-                       constraints=None, grammar=None, cache_marks: tuple = (), images: tuple = ()) -> list[Job]:
-        """``submit`` with ``n`` choices of one prompt (prefilled once; ``Generator.make_request``),
-        a job each; ``constraints``: a ``Constraint`` per choice, built from ``grammar`` (an
-        ``OutputGrammar``; a replicated engine sends it to the other processes); ``images``: the
-        prompt's ``ImageInput``s in order (passed on only when there are some)."""
+    def submit_choices(self, prompt: list[int], options: RequestOptions, *, constraints=None,
+                       images: Sequence = ()) -> list[Job]:
+        """``submit`` with ``options.n`` choices of one prompt (prefilled once; ``Generator.make_request``,
+        which checks ``options``: a ``ValueError`` for what it cannot serve), a job each;
+        ``constraints``: a ``Constraint`` per choice, compiled from ``options.grammar`` (a replicated
+        engine sends the grammar to the other processes); ``images``: the prompt's ``ImageInput``s in
+        order (passed on only when there are some)."""
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if not self.alive:
@@ -245,11 +259,7 @@ class EngineThread:
                            code="queue_full", headers={"Retry-After": "1"})
         extra = {"images": tuple(images)} if images else {}
         try:
-            first = self.generator.make_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                top_p=top_p, top_k=top_k, seed=seed, thinking_budget=thinking_budget,
-                                                thinking_opened=thinking_opened, logprobs=logprobs,
-                                                prompt_logprobs=prompt_logprobs, n=n, constraints=constraints,
-                                                grammar=grammar, cache_marks=cache_marks, **extra)
+            first = self.generator.make_request(prompt, options, constraints=constraints, **extra)
         except TypeError as e:
             if images and "images" in str(e):
                 raise ApiError(501, "this server's engine does not take images") from None

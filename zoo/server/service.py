@@ -3,10 +3,15 @@ tokens to answer events.
 
     prompt   messages (HF chat-template form) -> chat template (tools, enable_thinking) -> text
              [+ "</think>" and a tool-call opening when a call is forced] -> token ids
-    output   token ids -> TextDecoder (incremental detokenizer, stop strings)
-                       -> OutputParser (ReasoningParser, then the model's ToolParser)
+    options  the parsed request -> ``Service.request_options`` (the server's defaults: max tokens
+             clipped to the context, a random seed, the thinking budget; the output detokenized
+             with the parsers' markers kept, ``KEEP``) -> one ``RequestOptions``, passed unchanged
+             to the engine (``start_choices``), which checks it (a 400 naming the problem)
+    output   token ids -> the engine's TextDecoder (``zoo.text.detokenize``: control tokens hidden,
+                          stop strings: the engine ends the request there, ``Finish.stop_sequence``)
+                       -> text -> OutputParser (ReasoningParser, then the model's ToolParser)
                        -> Reasoning / Text / ToolCallStart / ToolCallArgs / ToolCallEnd events
-    driver   ``Service.events(job, ...)``: those events as tokens arrive, ``KEEPALIVE`` after a
+    driver   ``Service.events(job, ...)``: those events as text arrives, ``KEEPALIVE`` after a
              silent tick, then one ``Finish``; cancels the request if the consumer goes away.
              A request with logprobs also gets a ``Logprobs`` event before the events of the
              tokens it scores (every generated token, reasoning included, in order)
@@ -28,6 +33,7 @@ from starlette.concurrency import run_in_threadpool
 
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.logprobs import TokenLogprob
+from zoo.engine.options import RequestOptions, TokenIdError, check_token_ids
 from zoo.server.engine_thread import TICK, EngineThread, Job
 from zoo.server.image_inputs import ImageParts, ImagePolicy, VisionInputs
 from zoo.server.logprob_render import LogprobRenderer
@@ -39,13 +45,12 @@ from zoo.text.reasoning_parser import (
     Reasoning,
     ReasoningParser,
     Text,
-    partial_suffix,
     prompt_opens_reasoning,
 )
-from zoo.text.tool_calls import CALL_OPEN, PARSERS, ToolCallArgs, ToolCallStart, ToolParser, call_prefix
+from zoo.text.tool_calls import FORMATS, ToolCallArgs, ToolCallFormat, ToolCallStart, ToolParser, tool_call_format
 
 # special tokens that are text to the parsers; every other special token is hidden from the output
-KEEP = frozenset(ReasoningParser.MARKERS).union(*(p.MARKERS for p in PARSERS.values()))
+KEEP = frozenset(ReasoningParser.MARKERS).union(*(f.markers for f in FORMATS.values()))
 KEEPALIVE = object()
 log = logging.getLogger("zoo.serve")
 POLL_S = 1.0           # non-streaming requests: how often to check that the client is still there
@@ -71,51 +76,6 @@ class Finish:
 class Logprobs:
     """The logprob records of tokens that just arrived (their text follows in the next events)."""
     records: list[TokenLogprob]
-
-
-class TextDecoder:
-    """Token ids -> text pieces: hides control tokens, holds back incomplete UTF-8 and text that
-    may be the start of a stop string; ``stopped`` is the stop string that ended the text."""
-
-    def __init__(self, tokenizer, hidden: frozenset[int], stop: list[str] = ()):
-        self._tok = tokenizer
-        self._hidden = hidden               # ids of control tokens, left out of the text
-        self._ids: list[int] = []
-        self._prefix = self._read = 0       # decode window: ids[_prefix:_read] were already emitted
-        self._stop = [s for s in stop if s]
-        self._pending = ""
-        self.stopped: str | None = None
-
-    def feed(self, tokens: list[int]) -> str:
-        if self.stopped is not None:
-            return ""
-        self._ids += [t for t in tokens if t not in self._hidden]
-        done = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=False)
-        text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=False)
-        if len(text) <= len(done) or text.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return self._cut(text[len(done):], final=False)
-
-    def flush(self) -> str:
-        """The rest of the text (a partial stop string is no match now)."""
-        if self.stopped is not None:
-            return ""
-        done = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=False)
-        text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=False)
-        self._prefix = self._read = len(self._ids)
-        return self._cut(text[len(done):], final=True)
-
-    def _cut(self, text: str, final: bool) -> str:
-        self._pending += text
-        hits = [(i, s) for s in self._stop if (i := self._pending.find(s)) >= 0]
-        if hits:
-            i, self.stopped = min(hits)
-            out, self._pending = self._pending[:i], ""
-            return out
-        keep = 0 if final else partial_suffix(self._pending, self._stop)
-        out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
-        return out
 
 
 class OutputParser:
@@ -265,7 +225,7 @@ class Service:
     engine: EngineThread
     tokenizer: object
     model_name: str
-    tool_format: str | None         # "qwen" | "glm" | None (tool calls are not parsed)
+    tool_format: ToolCallFormat | None   # or its name (``zoo.text.tool_calls.FORMATS``); None: calls not parsed
     context: int                    # the model's maximum sequence length
     default_max_tokens: int
     keepalive_s: float
@@ -274,17 +234,19 @@ class Service:
     image_policy: ImagePolicy = dataclasses.field(default_factory=ImagePolicy)
 
     def __post_init__(self):
-        self._hidden = frozenset(i for i, t in self.tokenizer.special_tokens().items() if t not in KEEP)
+        if isinstance(self.tool_format, str):
+            self.tool_format = tool_call_format(self.tool_format)
+        self._keep = tuple(sorted(KEEP))        # special tokens the engine leaves in the output's text
         self.logprob_renderer = LogprobRenderer(self.tokenizer)
         self._markers = marker_tokens(self.tokenizer, KEEP)     # written as tokens in tool-call grammars
 
     def check_token_ids(self, ids: list[int], where: str) -> None:
-        """400 naming the first id of ``ids`` outside the tokenizer's vocabulary."""
-        vocab = self.tokenizer.vocab_size
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise ApiError(400, f"{where}[{i}]: token id {t} is not in the vocabulary (0..{vocab - 1})",
-                               param=where)
+        """400 naming the first id of ``ids`` outside the tokenizer's vocabulary (ids to detokenize;
+        a prompt's ids are the engine's to check, ``start_choices``)."""
+        try:
+            check_token_ids(ids, self.tokenizer.vocab_size, where)
+        except TokenIdError as e:
+            raise ApiError(400, str(e), param=where) from None
 
     def check_prompt_chars(self, text: str, where: str = "the prompt") -> None:
         """400 before tokenizing when ``text`` has more characters than the context can hold tokens
@@ -310,10 +272,6 @@ class Service:
         prepared = self.vision.prepare(images.order, images.policy) if images else []
         ids, marks = self.vision.expand(ids, prepared, marks)
         return ids, marks, prepared
-
-    def decoder(self, stop: list[str] = ()) -> TextDecoder:
-        """A detokenizer for one request's output, ending the text at any of ``stop``."""
-        return TextDecoder(self.tokenizer, self._hidden, stop)
 
     # -- prompts ----------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice: str = "auto",
@@ -355,11 +313,11 @@ class Service:
             if self.tool_format is None:
                 raise ApiError(400, f"tool_choice {tool_choice!r} needs a known tool-call format; this model "
                                     "has none (start the server with a tool format)", param="tool_choice")
-            forced = call_prefix(self.tool_format, tool_name)
+            forced = self.tool_format.call_prefix(tool_name)
         close = "\n" + CLOSE + "\n\n" if in_reasoning and (forced or prefill) else ""
 
         def new_parser() -> tuple[OutputParser, list]:
-            tools_parser = PARSERS[self.tool_format](tools) if use_tools and self.tool_format else None
+            tools_parser = self.tool_format.new_parser(tools) if use_tools and self.tool_format else None
             parser = OutputParser(reasoning=True, in_reasoning=in_reasoning, tools=tools_parser)
             parser.feed(close + prefill)                 # already in the prompt, not part of the answer
             return parser, parser.feed(forced)
@@ -379,8 +337,9 @@ class Service:
         elif output is not None:
             grammar = OutputGrammar(output, wait=wait, reasoning=reasoning)
         elif use_tools and self.tool_format and strict_tools(tools):
-            opening = tool_output(self.tool_format, tools, prefix=CALL_OPEN, repeat=False, tokens=self._markers)
-            trigger = tuple(self.tokenizer.encode(CALL_OPEN))
+            call_open = self.tool_format.call_open
+            opening = tool_output(self.tool_format, tools, prefix=call_open, repeat=False, tokens=self._markers)
+            trigger = tuple(self.tokenizer.encode(call_open))
             grammar = OutputGrammar(opening, wait=wait + (trigger,), rearm=trigger)
         parser, initial = new_parser()
         self.check_prompt_chars(text + close + prefill + forced)
@@ -390,49 +349,47 @@ class Service:
                           marks=token_marks, images=tuple(prepared))
 
     # -- generation -------------------------------------------------------------------------------
-    async def start(self, ids: list[int], **kwargs) -> Job:
-        """``start_choices`` for one choice."""
-        return (await self.start_choices(ids, **kwargs))[0]
-
-    async def start_choices(self, ids: list[int], *, max_tokens: int | None, temperature: float, top_p: float,
-                            top_k: int, seed: int | None, thinking_budget: int | None = None,
-                            thinking_opened: bool = False, logprobs: int | None = None,
-                            prompt_logprobs: int | None = None, n: int = 1,
-                            grammar: OutputGrammar | None = None, cache_marks: Sequence[int] = (),
-                            images: Sequence = ()) -> list[Job]:
-        """Submit a request and wait until it is admitted (429 / 503 from the queue; 400 if the
-        engine can never fit it). ``thinking_budget``: reasoning tokens after which ``</think>`` is
-        forced (``thinking_opened``: the prompt ends inside ``<think>``). ``logprobs`` /
-        ``prompt_logprobs``: alternatives per generated / prompt token (None: no logprobs);
-        ``max_tokens`` 0 (prompt logprobs only) needs ``prompt_logprobs``. ``n``: choices, the prompt
-        prefilled once (a job each); ``grammar``: the output's (a matcher per choice, compiled here
-        in a worker thread); ``cache_marks``: prompt positions worth a prefix-cache snapshot;
-        ``images``: the prompt's ``ImageInput``s (``ChatPrompt.images``), in prompt order."""
+    def request_options(self, ids: list[int], *, max_tokens: int | None, seed: int | None = None,
+                        thinking_budget: int | None = None, **fields) -> RequestOptions:
+        """The engine's options for a request of prompt ``ids``, built once from the parsed request:
+        ``max_tokens`` (None: the server's default) clipped to the context the prompt leaves (a
+        prompt that fills it: 400), a random ``seed`` when None, the server's thinking budget when
+        the request names none; the engine detokenizes the output, keeping the parsers' markers
+        (``KEEP``); ``fields``: the other ``RequestOptions`` fields as the request gave them
+        (``temperature``, ``stop``, ``n``, ``logprobs``, ``grammar``, ``cache_marks``, ...)."""
         if len(ids) >= self.context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
-        vocab = self.engine.generator.vocab
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0 .. {vocab - 1})", param="prompt")
         budget = self.context - len(ids)
-        max_new = min(self.default_max_tokens if max_tokens is None else max_tokens, budget)
-        if thinking_budget is None:
-            thinking_budget = self.thinking_budget
+        return RequestOptions(
+            max_new_tokens=min(self.default_max_tokens if max_tokens is None else max_tokens, budget),
+            seed=random.getrandbits(31) if seed is None else seed,
+            thinking_budget=self.thinking_budget if thinking_budget is None else thinking_budget,
+            detokenize=True, keep_special=self._keep, **fields)
+
+    async def start(self, ids: list[int], options: RequestOptions, **kwargs) -> Job:
+        """``start_choices`` for one choice."""
+        return (await self.start_choices(ids, options, **kwargs))[0]
+
+    async def start_choices(self, ids: list[int], options: RequestOptions, *, images: Sequence = (),
+                            prompt_param: str = "prompt") -> list[Job]:
+        """Submit a request (prompt ``ids``, ``options`` from ``request_options``, passed on
+        unchanged) and wait until it is admitted (429 / 503 from the queue; 400 for what the engine
+        refuses: its check of the options and of the prompt's ids, named ``prompt_param``, or a
+        request it can never fit). ``options.n`` choices: the prompt prefilled once, a job each;
+        ``options.grammar``: a matcher per choice, compiled here in a worker thread; ``images``: the
+        prompt's ``ImageInput``s (``ChatPrompt.images``), in prompt order."""
         constraints = None
-        if grammar is not None:
+        if options.grammar is not None:
             make = self.engine.generator.constraint
             try:
-                constraints = await run_in_threadpool(lambda: [make(grammar) for _ in range(n)])
+                constraints = await run_in_threadpool(lambda: [make(options.grammar) for _ in range(options.n)])
             except ValueError as e:
                 raise ApiError(400, f"the output grammar does not compile: {e}") from None
         try:
-            jobs = self.engine.submit_choices(ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
-                                              top_k=top_k, seed=random.getrandbits(31) if seed is None else seed,
-                                              thinking_budget=thinking_budget, thinking_opened=thinking_opened,
-                                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
-                                              constraints=constraints, grammar=grammar,
-                                              cache_marks=tuple(cache_marks), images=tuple(images))
+            jobs = self.engine.submit_choices(ids, options, constraints=constraints, images=tuple(images))
+        except TokenIdError as e:                # the prompt's ids, checked by the engine
+            raise ApiError(400, e.named(prompt_param), param=prompt_param) from None
         except ValueError as e:                  # the engine's own checks of a request
             raise ApiError(400, str(e)) from None
         try:
@@ -452,11 +409,12 @@ class Service:
                 raise ApiError(status, f"{prefix}: {job.req.stats.get('error', 'engine error')}")
         return jobs
 
-    async def events(self, job: Job, decoder: TextDecoder, parser: OutputParser, initial: list = (),
+    async def events(self, job: Job, parser: OutputParser, initial: list = (),
                      tick: float | None = None) -> AsyncIterator:
-        """Answer events of ``job`` as they come, ``KEEPALIVE`` after ``tick`` s (default: the
-        keep-alive interval) without any (no tokens, or tokens that produce no output yet, such as
-        a buffered tool-call value), then a ``Finish``. Leaving early cancels the request."""
+        """Answer events of ``job`` (the text the engine decoded, through ``parser``) as they come,
+        ``KEEPALIVE`` after ``tick`` s (default: the keep-alive interval) without any (no tokens, or
+        tokens that produce no output yet, such as a buffered tool-call value or a possible start
+        of a stop string), then a ``Finish``. Leaving early cancels the request."""
         tick = tick or self.keepalive_s
         tool_calls = any(isinstance(e, ToolCallStart) for e in initial)
         last = time.monotonic()               # when the consumer last got something
@@ -468,7 +426,7 @@ class Service:
                 item = await job.next(tick)
                 if item is not TICK:
                     try:
-                        records, events, done = self._render(job, item, decoder, parser, scored)
+                        records, events, done = self._render(job, item, parser, scored)
                     except Exception as e:    # a bug in rendering this output: this request fails, in band
                         log.exception("rendering a request's output failed")
                         job.cancel()
@@ -482,7 +440,7 @@ class Service:
                         tool_calls |= isinstance(e, ToolCallStart)
                         yield e
                     if done:
-                        yield self._finish(job, decoder, tool_calls)
+                        yield self._finish(job, tool_calls)
                         return
                     if events:
                         last = time.monotonic()
@@ -494,27 +452,21 @@ class Service:
             job.cancel()
 
     @staticmethod
-    def _render(job: Job, item: tuple, decoder: TextDecoder, parser: OutputParser, scored: int):
-        """What ``job.next`` gave (``item``: tokens, done) as (new logprob records, answer events,
-        done); a stop string seen ends the request."""
-        tokens, done = item
+    def _render(job: Job, item: tuple, parser: OutputParser, scored: int):
+        """What ``job.next`` gave (``item``: tokens, their text, done) as (new logprob records,
+        answer events, done)."""
+        _, text, done = item
         records = job.logprobs[scored:]
-        text = decoder.feed(tokens)
-        if decoder.stopped is not None and not done:
-            job.cancel("stop")
-            done = True
-        if done:
-            text += decoder.flush()
         return records, coalesce(parser.feed(text) + (parser.flush() if done else [])), done
 
     @staticmethod
-    def _finish(job: Job, decoder: TextDecoder, tool_calls: bool) -> Finish:
+    def _finish(job: Job, tool_calls: bool) -> Finish:
         req = job.req
         cached = int(req.stats.get("cached_tokens", 0))
-        written = max(0, max(req.cache_marks, default=0) - cached)
+        written = max(0, max(req.options.cache_marks, default=0) - cached)
         finish = Finish("stop", len(req.prompt), job.received, cached, written, tool_calls=tool_calls)
-        if decoder.stopped is not None:
-            return dataclasses.replace(finish, stop_sequence=decoder.stopped)
+        if req.finish_reason == "stop" and req.stats.get("stop_sequence") is not None:
+            return dataclasses.replace(finish, stop_sequence=req.stats["stop_sequence"])
         if job.error:
             return dataclasses.replace(finish, reason="error", error=job.error, error_status=job.error_status)
         if job.finish_reason == "error":

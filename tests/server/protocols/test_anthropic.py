@@ -40,7 +40,7 @@ def server(tmp_path_factory):
     model = scripted_model(tmp_path_factory.mktemp("glm-ckpt"), GLM_TEMPLATE, SCRIPTS, context=CONTEXT)
     app = create_app(model, api_key=KEY, keepalive_s=0.1, max_batch=4)
     with ServerThread(app) as s:
-        assert app.state.service.tool_format == "glm"          # chosen from the chat template
+        assert app.state.service.tool_format.name == "glm"     # chosen from the chat template
         s.tokenizer = model.tokenizer
         client(s).messages.create(model="m", max_tokens=MAX, messages=[user(THINK)])    # warm up
         yield s

@@ -144,6 +144,23 @@ def test_stop_sequences(server):
     assert s["content"] == "alpha beta " and s["finish"] == "stop"
 
 
+def test_the_engine_ends_each_choice_at_a_stop_string(server):
+    """Completions, two choices, streamed and not: each ends right before "STOP" (the space before it,
+    in the same token " S", kept) with finish "stop"; the usage counts each choice's tokens up to the
+    one that completed the stop string ("alpha beta STOP": 11)."""
+    c = client(server)
+    kwargs = dict(model="tiny", prompt=say(STOP), max_tokens=64, n=2, stop=["STOP"], temperature=0)
+    r = c.completions.create(**kwargs)
+    assert [(ch.text, ch.finish_reason) for ch in r.choices] == [("alpha beta ", "stop")] * 2
+    assert r.usage.completion_tokens == 2 * len(server.model.tokenizer.encode("alpha beta STOP")) == 22
+    texts, finishes = ["", ""], [None, None]
+    for chunk in c.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert texts == ["alpha beta "] * 2 and finishes == ["stop"] * 2
+
+
 def test_completions_stream_and_not(server):
     c = client(server)
     r = c.completions.create(model="tiny", prompt="Hello, zoo", max_tokens=8, temperature=0)
@@ -226,6 +243,12 @@ def test_values_the_engine_cannot_hold_are_400_and_it_keeps_serving(server):
         r = httpx.post(server.url + "/v1/completions", headers=auth, json={"model": "tiny", "prompt": prompt,
                                                                             "max_tokens": 2})
         assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], (prompt, r.text)
+    for prompt, param, message in (([5, vocab + 7], "prompt", f"prompt[1]: token id {vocab + 7} is not"),
+                                   ([[5], [6, 7, vocab]], "prompt[1]", f"prompt[1][2]: token id {vocab} is not")):
+        r = httpx.post(server.url + "/v1/completions", headers=auth, json={"model": "tiny", "prompt": prompt,
+                                                                            "max_tokens": 2})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and error["message"].startswith(message), error
     ok = client(server).chat.completions.create(model="tiny", messages=[user("hi")], max_tokens=2,
                                                 extra_body={"top_k": vocab + 1000})     # as many as there are
     assert ok.choices[0].finish_reason in ("stop", "length")

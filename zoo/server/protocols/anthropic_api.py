@@ -69,12 +69,12 @@ async def messages(request: Request):
     prompt = await run_in_threadpool(render_prompt, service, body)   # rendering + tokenizing: off the event loop
     thinking = body.thinking
     budget = thinking.budget_tokens if thinking is not None and thinking.type == "enabled" else None
-    job = await service.start(prompt.ids, max_tokens=body.max_tokens, temperature=body.temperature,
-                              top_p=body.top_p, top_k=body.top_k, seed=None, thinking_budget=budget,
-                              thinking_opened=prompt.opens_reasoning, grammar=prompt.grammar,
-                              cache_marks=prompt.marks, images=prompt.images)
-    events = service.events(job, service.decoder(body.stop_sequences or []), prompt.parser,
-                            prompt.initial, tick=None if body.stream else POLL_S)
+    options = service.request_options(prompt.ids, max_tokens=body.max_tokens, thinking_budget=budget,
+                                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                      stop=body.stop_sequences or (), thinking_opened=prompt.opens_reasoning,
+                                      grammar=prompt.grammar, cache_marks=prompt.marks)
+    job = await service.start(prompt.ids, options, images=prompt.images)
+    events = service.events(job, prompt.parser, prompt.initial, tick=None if body.stream else POLL_S)
     clipped = body.max_tokens > service.context - len(prompt.ids)
     omit = thinking is not None and thinking.display == "omitted"
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,

@@ -309,13 +309,13 @@ async def chat_completions(request: Request):
                                    parallel_calls=body.parallel_tool_calls, images=images)
     # rendering, tokenizing a long prompt and decoding images take a while: in a worker thread
     prompt = await run_in_threadpool(render)
-    jobs = await service.start_choices(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
-                                       temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                       seed=body.seed, thinking_budget=body.thinking_budget,
-                                       thinking_opened=prompt.opens_reasoning, logprobs=logprobs, n=body.n,
-                                       grammar=prompt.grammar, images=prompt.images)
-    streams = [service.events(job, service.decoder(_stops(body.stop)), parser, initial,
-                              tick=None if body.stream else POLL_S)
+    options = service.request_options(prompt.ids, max_tokens=body.max_completion_tokens or body.max_tokens,
+                                      seed=body.seed, thinking_budget=body.thinking_budget,
+                                      temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                                      stop=_stops(body.stop), thinking_opened=prompt.opens_reasoning,
+                                      logprobs=logprobs, n=body.n, grammar=prompt.grammar)
+    jobs = await service.start_choices(prompt.ids, options, images=prompt.images)
+    streams = [service.events(job, parser, initial, tick=None if body.stream else POLL_S)
                for job, (parser, initial) in zip(jobs, prompt.parsers(body.n))]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model or
             service.model_name}
@@ -441,15 +441,15 @@ async def completions(request: Request):
     if body.stream and body.echo:
         raise ApiError(400, "stream: echo needs a non-streaming request", param="echo")
     ids = []
-    for i, p in enumerate(prompts):
+    names = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+    for p, name in zip(prompts, names):
         if isinstance(p, str):
-            service.check_prompt_chars(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            service.check_prompt_chars(p, name)
             ids.append(await run_in_threadpool(service.tokenizer.encode, p))
             if not ids[-1]:
                 raise ApiError(400, "prompt: empty", param="prompt")
         else:
-            service.check_token_ids(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
-            ids.append(list(p))
+            ids.append(list(p))                 # its ids are checked by the engine (``start_choices``)
     prompt_logprobs = None
     if body.echo and body.logprobs is not None:
         prompt_logprobs = body.logprobs
@@ -457,19 +457,21 @@ async def completions(request: Request):
         prompt_logprobs = 0                 # a prefill only; its logprobs go unreported
     jobs = []
     try:
-        for p in ids:                       # choice index = prompt index * n + choice, as OpenAI's
-            jobs += await service.start_choices(p, max_tokens=body.max_tokens, temperature=body.temperature,
-                                                top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
-                                                logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
-                                                grammar=None if output is None else OutputGrammar(output))
+        for p, name in zip(ids, names):     # choice index = prompt index * n + choice, as OpenAI's
+            options = service.request_options(p, max_tokens=body.max_tokens, seed=body.seed,
+                                              temperature=body.temperature, top_p=body.top_p,
+                                              top_k=max(body.top_k, 0), stop=_stops(body.stop),
+                                              logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
+                                              grammar=None if output is None else OutputGrammar(output))
+            jobs += await service.start_choices(p, options, prompt_param=name)
     except BaseException:
         for job in jobs:
             job.cancel()
         raise
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or service.model_name}
-    streams = [service.events(job, service.decoder(_stops(body.stop)), OutputParser(reasoning=False),
-                              tick=None if body.stream else POLL_S) for job in jobs]
+    streams = [service.events(job, OutputParser(reasoning=False), tick=None if body.stream else POLL_S)
+               for job in jobs]
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         render = service.logprob_renderer.completion if body.logprobs is not None else None

@@ -296,11 +296,11 @@ async def create_response(request: Request):
     # rendering and tokenizing a long prompt takes a while: in a worker thread, not on the event loop
     prompt, namespaces = await run_in_threadpool(_render, service, body, prior)
     logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or []) else None
-    job = await service.start(prompt.ids, max_tokens=body.max_output_tokens, temperature=body.temperature,
-                              top_p=body.top_p, top_k=0, seed=None, thinking_opened=prompt.opens_reasoning,
-                              logprobs=logprobs, grammar=prompt.grammar, images=prompt.images)
-    events = service.events(job, service.decoder(), prompt.parser, prompt.initial,
-                            tick=None if body.stream else POLL_S)
+    options = service.request_options(prompt.ids, max_tokens=body.max_output_tokens, temperature=body.temperature,
+                                      top_p=body.top_p, thinking_opened=prompt.opens_reasoning, logprobs=logprobs,
+                                      grammar=prompt.grammar)
+    job = await service.start(prompt.ids, options, images=prompt.images)
+    events = service.events(job, prompt.parser, prompt.initial, tick=None if body.stream else POLL_S)
     builder = OutputBuilder(_response_object(body, service.model_name), summary=body.summary, namespaces=namespaces,
                             parallel_calls=body.parallel_tool_calls, count_tokens=service.tokenizer.encode,
                             render_logprobs=service.logprob_renderer.chat if logprobs is not None else None)
