@@ -2,7 +2,7 @@
 
 ``create_app(model, ...)`` builds a FastAPI app over one ``Generator``: its engine thread starts and
 stops with the app; the OpenAI (``openai_api``) and Anthropic (``anthropic_api``) surfaces are
-thin adapters over ``chat.Service``; ``tokenize_api`` adds vLLM's ``/tokenize`` and ``/detokenize``.
+thin adapters over ``service.Service``; ``tokenize_api`` adds vLLM's ``/tokenize`` and ``/detokenize``.
 The app also answers ``GET``/``HEAD /health`` (no key needed; 503 while draining or once the engine
 stopped) and ``GET /metrics`` (Prometheus text). Request bodies are limited in size and in how long
 they may stall (``transport.BodyLimit``). ``serve`` runs the app with uvicorn (``transport``: request-head

@@ -125,7 +125,7 @@ def content_text(content, where: str, images=None) -> str:
     """Message (or tool output) content, a string or a list of text parts (OpenAI chat ``text``,
     Responses ``input_text`` / ``output_text`` / summaries, ``refusal``), as text. Image parts (chat
     ``image_url`` as ``{"url": ...}`` or a string, Responses ``input_image`` with ``image_url``)
-    go to ``images`` (a ``vision_inputs.ImageParts``) and read as the text standing for them; where
+    go to ``images`` (a ``image_inputs.ImageParts``) and read as the text standing for them; where
     ``images`` is None (not a user turn) they are a 400, as is any other part."""
     if content is None or isinstance(content, str):
         return content or ""
@@ -290,7 +290,7 @@ class Service:
         ``marks``: texts of the messages (in order) after which the prefix cache should keep a
         snapshot (Anthropic ``cache_control``); each becomes the token position where it ends.
         ``images``: the request's images, whose sentinels the messages' text holds
-        (``vision_inputs``): each becomes the model's placeholder, expanded to its tokens.
+        (``image_inputs``): each becomes the model's placeholder, expanded to its tokens.
 
         The output grammar: a forced call follows the tools' grammar; else ``output`` if given, else,
         when every tool is ``strict``, each call the model opens. It applies after the reasoning

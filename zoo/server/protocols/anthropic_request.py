@@ -2,7 +2,7 @@
 
 What is accepted is what the real API accepts and agent clients (Claude Code) send: ``system`` as a
 string or text blocks; ``system`` role messages inside ``messages`` (a leading run joins the system
-prompt, a later one joins the user turn it follows, ``chat.fold_system_messages``; its own
+prompt, a later one joins the user turn it follows, ``service.fold_system_messages``; its own
 ``output_config.effort`` overrides the request's); ``cache_control`` on the request, system,
 message and tool blocks (validated, nothing cached); ``thinking`` of type ``enabled`` (its
 ``budget_tokens`` enforced), ``adaptive``, ``between_tools`` or ``disabled``, with ``display``;
@@ -289,7 +289,7 @@ def _text(blocks: list, where: str) -> str:
 
 def template_messages(body: CountRequest, images=None) -> tuple[list[dict], str, list[str]]:
     """Anthropic messages -> the chat templates' form; the trailing assistant text (a prefill); the
-    tools named by ``tool_reference`` blocks. ``images`` (``vision_inputs.ImageParts``) collects the
+    tools named by ``tool_reference`` blocks. ``images`` (``image_inputs.ImageParts``) collects the
     image blocks of user turns and tool results (None: they are a 400)."""
     system = body.system
     out = [{"role": "system", "content": system if isinstance(system, str) else "".join(b.text for b in system)}

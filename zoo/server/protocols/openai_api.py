@@ -196,7 +196,7 @@ def _stops(stop) -> list[str]:
 
 def template_messages(messages: list[dict], images=None) -> list[dict]:
     """OpenAI messages -> the chat templates' form (tool-call arguments as dicts). ``images``
-    (``vision_inputs.ImageParts``): collects the image parts of user messages (None: they are a 400)."""
+    (``image_inputs.ImageParts``): collects the image parts of user messages (None: they are a 400)."""
     out = []
     for i, m in enumerate(messages):
         role = m.get("role")

@@ -3,7 +3,7 @@ prompt, as Codex CLI and the ``openai`` SDK send it.
 
     instructions                 the leading system message (not carried over by previous_response_id)
     input                        a string (one user message) or items:
-      message                    role developer / system (system text, ``chat.fold_system_messages``),
+      message                    role developer / system (system text, ``service.fold_system_messages``),
                                  user, assistant; content a string or input_text / output_text parts;
                                  a user message also input_image parts (``image_url``: a data: URL,
                                  or http(s) where the server allows it; ``file_id``: a 400)
@@ -209,7 +209,7 @@ def _reasoning_text(item: dict, where: str) -> str:
 
 def template_messages(instructions: str | None, items: list[dict], where: str = "input", images=None) -> list[dict]:
     """Instructions and input items -> the chat templates' form (see the module doc). ``images``
-    (``vision_inputs.ImageParts``) collects the input_image parts of user messages and tool outputs
+    (``image_inputs.ImageParts``) collects the input_image parts of user messages and tool outputs
     (None: they are a 400)."""
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     reasoning = ""                       # the reasoning of the assistant turn to come
