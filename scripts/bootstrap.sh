@@ -29,7 +29,7 @@ case "$job" in
     "${pip[@]}" -e '.[dev]'
     .venv/bin/ruff check . || { echo "lint failed (ruff; settings in pyproject.toml)" >&2; exit 1; }
     set +e
-    .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q --durations=15 "$@"
+    .venv/bin/python -m pytest -n 2 --dist loadfile -q --durations=15 "$@"
     rc=$?
     [ "$rc" -eq 5 ] && { echo "no tests were collected" >&2; exit 1; }
     exit "$rc" ;;

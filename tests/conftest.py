@@ -9,7 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # and each module would compile them again (measured on one server module: 36 s of CPU with a
 # 0.5 s threshold against 32 s with none, warm).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zoo-test-jax-cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import pytest  # noqa: E402  (after the environment above: importing jax must see it)
 

@@ -59,8 +59,8 @@ def zoo_serve(logs, processes: int, devices: int, args=("--mesh", "tp"), timeout
 def conversation(base_url: str, short: bool = False) -> list:
     """The same requests, in the same order, through both SDKs: what each answered (``short``: the
     Anthropic pair only)."""
-    oa = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=120)
-    an = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=KEY, max_retries=0, timeout=120)
+    oa = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=600)
+    an = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=KEY, max_retries=0, timeout=600)
     ask = [{"role": "user", "content": "What is 12+35?"}]
     out = []
 
@@ -121,7 +121,7 @@ def test_a_follower_lost_mid_stream_ends_it_with_an_error_and_process_0_exits_3(
     """A follower killed (dies) or stopped (SIGSTOP: hangs) while a stream runs: the stream ends with
     an error naming it, process 0 exits with status 3 within --follower-timeout (5 s) and a grace."""
     with zoo_serve(tmp_path, 2, 4) as (procs, url):
-        oa = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+        oa = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=600)
         chunks, error = 0, None
         try:
             for _ in oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell a story."}],
