@@ -33,3 +33,41 @@ def test_zoo_serve_tiny_model():
         proc.send_signal(signal.SIGINT)
         proc.stdout.close()
         assert proc.wait(30) == 0
+
+
+def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
+    """``zoo serve --compile-cache DIR``: the first start compiles its programs before it answers
+    (``/health`` says "warming up" until then) and keeps them in DIR; a second start of the same
+    configuration compiles nothing and says so."""
+    import time
+
+    import httpx2 as httpx
+
+    config = ("--port", "0", "--log-level", "warning", "--compile-cache", str(tmp_path / "programs"),
+              "--context", "512", "--prefill-chunk", "64", "--max-batch", "2", "--spec", "1")
+    ready = []
+    for run in range(2):
+        log = tmp_path / f"stderr-{run}.txt"
+        with open(log, "w") as err:
+            proc, printed = start_zoo_serve(*config, env={"ZOO_API_KEY": "k"}, stderr=err)
+        try:
+            health = httpx.get(printed["OpenAI base URL"].removesuffix("/v1") + "/health")
+            if run == 0:                                   # answering while it compiles
+                assert health.status_code == 503 and health.json()["status"] == "warming up", health.text
+            deadline = time.monotonic() + 600
+            while "[zoo] ready:" not in log.read_text():
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.2)
+            assert httpx.get(printed["OpenAI base URL"].removesuffix("/v1") + "/health").status_code == 200
+            client = openai.OpenAI(base_url=printed["OpenAI base URL"], api_key="k", max_retries=0)
+            r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+            assert r.choices[0].finish_reason in ("stop", "length")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.stdout.close()
+            assert proc.wait(30) == 0
+        text = log.read_text()
+        assert f"compile cache: {tmp_path / 'programs'}" in text, text
+        ready.append(next(line for line in text.splitlines() if line.startswith("[zoo] ready:")))
+    compiled = [int(line.split("(")[1].split(" compiled")[0]) for line in ready]
+    assert compiled[0] > 0 and compiled[1] == 0, ready

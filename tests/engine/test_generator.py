@@ -137,24 +137,27 @@ def test_prefill_chunk_is_the_servers_choice(model):
             Generator(model, prefill_chunk=bad)
 
 
-def test_prefill_pieces_are_few_and_pad_little(model):
-    """``_plan``: pieces cover the prompt in order, end at every chunk multiple and mark, have
-    power-of-two widths between ``PREFILL_MIN`` and the chunk, pad fewer than ``PREFILL_MIN`` tokens
-    per segment, and a tail that one wider piece covers with that little padding is one piece."""
-    from zoo.engine.generator import PREFILL_MIN, Generator
+def test_prefill_pieces_have_two_widths_and_fit_the_row(model):
+    """``_plan``: pieces cover the prompt in order and end at every chunk multiple and mark; every
+    piece is one of the two compiled widths (the chunk, or the small one for a tail of at most that
+    many tokens), only a segment's last piece is padded, and every write fits the row's slots."""
+    from zoo.engine.generator import Generator
 
-    gen = Generator(model, prefill_chunk=64)
-    assert gen._plan(0, 25) == [(0, 25, 32, True)]
-    assert gen._plan(0, 40) == [(0, 32, 32, False), (32, 40, 16, True)]
+    gen = Generator(model, prefill_chunk=64, context=300, prefix_cache=0)
+    small = gen.prefill_small
+    assert gen.prefill_widths == (16, 64) and small == 16
+    assert gen._plan(0, 25) == [(0, 25, 64, True)]
+    assert gen._plan(0, 40) == [(0, 40, 64, True)]
+    assert gen._plan(0, 70) == [(0, 64, 64, True), (64, 70, 16, True)]
     for start, n, marks in [(s, n, m) for s in (0, 5, 64) for n in range(s + 1, 300, 7) for m in ((), (s + 50,))]:
         pieces = gen._plan(start, n, marks)
         ends = sorted({e for e in range(64, n, 64) if e > start} | {m for m in marks if start < m < n} | {n})
         assert [p[0] for p in pieces] == [start] + [p[1] for p in pieces[:-1]]
         assert [p[1] for p in pieces if p[3]] == ends and pieces[-1][1] == n
-        for a, e, w, _ in pieces:
-            assert PREFILL_MIN <= w <= 64 and w & (w - 1) == 0 and e - a <= w
-        for lo, hi in zip([start] + ends[:-1], ends):
-            assert sum(w - (e - a) for a, e, w, _ in pieces if lo <= a < hi) < PREFILL_MIN
+        for a, e, w, last in pieces:
+            assert w in gen.prefill_widths and e - a <= w and a + w <= gen._L
+            assert e - a == w or last                   # padded: only a segment's last piece
+            assert w == small or e - a > small           # the chunk's width for more than a small tail
 
 
 def test_prompt_ids_outside_the_vocabulary_and_a_huge_top_k(model):

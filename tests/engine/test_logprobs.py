@@ -18,7 +18,7 @@ import pytest
 import zoo
 from tests.support.helpers import bigram_variant
 from zoo.engine.generator import Generator
-from zoo.engine.logprobs import TOP_BUCKETS, token_logprobs, top_bucket
+from zoo.engine.logprobs import MAX_TOP, maybe_token_logprobs, token_logprobs
 
 PROMPT = [5, 17, 200, 33, 8, 91, 4, 250, 11]
 LONG = [(7 * i + 3) % 500 + 7 for i in range(41)]       # 41 tokens: three chunks of 16
@@ -68,8 +68,12 @@ def test_token_logprobs_is_a_log_softmax():
     np.testing.assert_allclose(out["logprob"], np.take_along_axis(ref, tokens[..., None], -1)[..., 0], atol=1e-6)
     np.testing.assert_allclose(out["top_logprobs"], -np.sort(-ref, -1)[..., :5], atol=1e-6)
     assert out["top_ids"].shape == (2, 3, 5) and out["top_ids"].dtype == jnp.int32
-    assert [top_bucket(w) for w in ([], [0], [1], [2], [5], [6], [20])] == [None, 1, 1, 5, 5, 20, 20]
-    assert TOP_BUCKETS[-1] == 20
+    # the engine's form: always MAX_TOP alternatives, computed only under its flag (zeros otherwise)
+    on = maybe_token_logprobs(jnp.bool_(True), jnp.asarray(logits), jnp.asarray(tokens))
+    off = maybe_token_logprobs(jnp.bool_(False), jnp.asarray(logits), jnp.asarray(tokens))
+    assert MAX_TOP == 20 and on["top_ids"].shape == off["top_ids"].shape == (2, 3, 20)
+    np.testing.assert_allclose(on["top_logprobs"][..., :5], out["top_logprobs"], atol=1e-6)
+    assert not np.asarray(off["top_logprobs"]).any() and not np.asarray(off["logprob"]).any()
 
 
 def test_plain_decoding_logprobs_match_full_forward(model):

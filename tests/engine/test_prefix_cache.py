@@ -154,11 +154,12 @@ def test_the_batch_takes_memory_from_the_cache_not_the_other_way(models):
     """A budget the batch and the cached prefixes cannot share: admitting a request moves cached
     entries to host RAM (never refuses the request), and they still hit from there."""
     model = models["qwen38-tiny"]
-    probe = Generator(model, prefill_chunk=CHUNK, prefix_cache=0)
-    budget = probe.cache_bytes(4, 256) + 1000
-    gen = cached(model, memory_budget=budget, device=GB)
+    shape = {"context": 512, "max_batch": 2}
+    budget = Generator(model, prefill_chunk=CHUNK, prefix_cache=0, **shape)._state_bytes() + 1000
+    gen = cached(model, memory_budget=budget, device=GB, **shape)
+    assert gen.rows == 2
     first = gen.generate([words(70, 120)], max_new_tokens=NEW)[0]
-    assert gen.prefix.device_used <= budget - gen.cache_bytes(gen._B, gen._L)
+    assert gen.prefix.device_used <= budget - gen._state_bytes()
     assert gen.prefix.stats.demoted > 0
     follow = words(70, 120) + first.tokens + words(71, 10)
     out = gen.generate([follow], max_new_tokens=NEW)[0]

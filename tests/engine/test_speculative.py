@@ -20,7 +20,7 @@ import pytest
 
 import zoo
 from tests.support.helpers import bigram_variant
-from zoo.engine.generator import MIN_ROWS
+from zoo.engine.generator import Generator
 from zoo.engine.speculative import accept
 
 PROMPTS = [[5, 17, 200, 33, 8, 91, 4, 250, 11], [300, 2, 77], [42] * 20, [7, 8, 9, 10, 11, 12]]
@@ -70,7 +70,7 @@ def test_spec_greedy_equals_plain_greedy(models, plain_runs, which, k):
 def test_streams_joining_and_leaving_match_solo_runs(models, plain_runs, name, k):
     which = name + "/bigram"
     alone = {i: g.tokens for i, g in enumerate(plain_runs[which])}
-    gen = models[which].generator(k)      # 4 rows (MIN_ROWS): stream 3 takes the row stream 1 freed
+    gen = Generator(models[which], spec_tokens=k, max_batch=3)   # 3 rows: stream 3 takes the row stream 1 freed
     lengths = [N_NEW, 5, N_NEW, 9]
     reqs = {0: gen.submit(gen.make_request(PROMPTS[0], max_new_tokens=lengths[0]))}
     for _ in range(3):
@@ -83,7 +83,7 @@ def test_streams_joining_and_leaving_match_solo_runs(models, plain_runs, name, k
     reqs[3] = gen.submit(gen.make_request(PROMPTS[3], max_new_tokens=lengths[3]))
     while gen.has_work():
         gen.step()
-    assert len(gen._rows) == MIN_ROWS == 4
+    assert len(gen._rows) == gen.rows == 3
     for i, r in reqs.items():
         assert r.tokens == alone[i][:lengths[i]], f"stream {i}"
 

@@ -30,7 +30,11 @@ from zoo.train import corpus
 KEY = "multihost-key"
 # float32: 1 x 8 and 2 x 4 devices reduce in other orders; the answers must not hinge on a bf16 tie.
 # A prefix-cache device tier of ~0.1 MB moves every entry to host RAM at once: hits restore from there.
-ARGS = ["serve", "--port", "0", "--log-level", "warning", "--follower-timeout", "5"]
+# Small fixed shapes (the engine's programs are compiled for them); the conversation warms up every
+# process (their warmups' collectives pair up), the other tests compile what they use.
+ARGS = ["serve", "--port", "0", "--log-level", "warning", "--follower-timeout", "5", "--context", "512",
+        "--max-batch", "4", "--prefill-chunk", "64"]
+LAZY = ["--no-warmup"]
 EXACT = ["--dtype", "float32", "--spec", "2", "--prefix-cache-gb", "0.0001", "--prefix-cache-host-gb", "1"]
 TOOLS = [corpus.TOOLS[n] for n in ("get_weather", "add")]     # the demo model's own tools
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
@@ -56,9 +60,8 @@ def zoo_serve(logs, processes: int, devices: int, args=("--mesh", "tp"), timeout
         wait_all(procs, 60)
 
 
-def conversation(base_url: str, short: bool = False) -> list:
-    """The same requests, in the same order, through both SDKs: what each answered (``short``: the
-    Anthropic pair only)."""
+def conversation(base_url: str) -> list:
+    """The same requests, in the same order, through both SDKs: what each answered."""
     oa = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=600)
     an = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=KEY, max_retries=0, timeout=600)
     ask = [{"role": "user", "content": "What is 12+35?"}]
@@ -71,16 +74,15 @@ def conversation(base_url: str, short: bool = False) -> list:
                      [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []])
                     for c in r.choices] + [r.usage.model_dump()])
 
-    if not short:
-        chat(temperature=0)
-        chat(temperature=0.9, top_p=0.95, seed=7, n=2)
-        chat(temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
-        chat(temperature=0, tools=TOOLS, max_tokens=128,
-             messages=[{"role": "user", "content": "What's the weather in Paris?"}])
-        with oa.chat.completions.create(model="m", messages=ask, max_tokens=200, temperature=0, stream=True) as s:
-            for i, _ in enumerate(s):                    # dropped after 3 chunks: its cancel is replayed too
-                if i == 2:
-                    break
+    chat(temperature=0)
+    chat(temperature=0.9, top_p=0.95, seed=7, n=2)
+    chat(temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+    chat(temperature=0, tools=TOOLS, max_tokens=128,
+         messages=[{"role": "user", "content": "What's the weather in Paris?"}])
+    with oa.chat.completions.create(model="m", messages=ask, max_tokens=200, temperature=0, stream=True) as s:
+        for i, _ in enumerate(s):                    # dropped after 3 chunks: its cancel is replayed too
+            if i == 2:
+                break
     system = [{"type": "text", "text": "You are a careful calculator. Think, then answer with the number.",
                "cache_control": {"type": "ephemeral"}}]
     for question in ("What is 7+8?", "What is 30+4?"):     # the second restores the system prompt's state
@@ -88,31 +90,29 @@ def conversation(base_url: str, short: bool = False) -> list:
                                messages=[{"role": "user", "content": question}])
         out.append(([(b.type, getattr(b, "text", None) or getattr(b, "thinking", None)) for b in m.content],
                     m.stop_reason, m.usage.model_dump()))
-    if not short:
-        with an.messages.stream(model="m", max_tokens=40, extra_body={"temperature": 0},
-                                messages=[{"role": "user", "content": "Hi!"}]) as s:
-            out.append("".join(s.text_stream))
+    with an.messages.stream(model="m", max_tokens=40, extra_body={"temperature": 0},
+                            messages=[{"role": "user", "content": "Hi!"}]) as s:
+        out.append("".join(s.text_stream))
     return out
 
 
-@pytest.mark.parametrize("model,mesh", [("qwen38-tiny", "tp"), ("glm53-tiny", "ep")])
-def test_a_conversation_through_process_0_equals_one_process(tmp_path, model, mesh):
-    short = model != "qwen38-tiny"                       # GLM: the main paths only (suite time)
-    args = ("--model", model, "--mesh", mesh, *EXACT)
+def test_a_conversation_through_process_0_equals_one_process(tmp_path):
+    """Qwen on "tp" (a multi-process engine does not depend on the model: GLM on "ep" over two
+    processes is ``test_multihost``'s), each process warmed up before it serves."""
+    args = ("--model", "qwen38-tiny", "--mesh", "tp", *EXACT)
     with zoo_serve(tmp_path / "one", 1, 8, args) as (procs, url):
-        want = conversation(url, short)
+        want = conversation(url)
     assert wait_all(procs, 1) == [0]
     with zoo_serve(tmp_path / "two", 2, 4, args) as (procs, url):
-        got = conversation(url, short)
+        got = conversation(url)
         procs[0].send_signal(signal.SIGTERM)             # the drain, then the followers are told to stop
         codes = wait_all(procs, 60)
     assert codes == [0, 0], tail(tmp_path / "two")
     assert got == want
-    anthropic_pair = want if short else want[-3:-1]
+    anthropic_pair = want[-3:-1]
     cached = [r[2]["cache_read_input_tokens"] for r in anthropic_pair]
     assert cached[0] == 0 and cached[1] > 0, cached     # a prefix restored from host RAM
-    if not short:
-        assert any(c[3] for c in want[3][:-1]), want[3]  # the tool call the model made
+    assert any(c[3] for c in want[3][:-1]), want[3]      # the tool call the model made
     assert "process 1 of 2" in (tmp_path / "two" / "process-1.log").read_text()
 
 
@@ -120,7 +120,7 @@ def test_a_conversation_through_process_0_equals_one_process(tmp_path, model, me
 def test_a_follower_lost_mid_stream_ends_it_with_an_error_and_process_0_exits_3(tmp_path, how):
     """A follower killed (dies) or stopped (SIGSTOP: hangs) while a stream runs: the stream ends with
     an error naming it, process 0 exits with status 3 within --follower-timeout (5 s) and a grace."""
-    with zoo_serve(tmp_path, 2, 4) as (procs, url):
+    with zoo_serve(tmp_path, 2, 4, ("--mesh", "tp", *LAZY)) as (procs, url):
         oa = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=600)
         chunks, error = 0, None
         try:
@@ -148,10 +148,11 @@ def test_a_follower_given_another_model_or_losing_its_leader_ends(tmp_path, case
     a follower whose process 0 is killed ends too (bounded)."""
     follower = ["--model", "glm53-tiny"] if case == "model" else []
     coordinator = f"127.0.0.1:{free_port()}"
-    procs = start("zoo", [*ARGS, "--mesh", "tp"], 1, 4, tmp_path, num_processes=2, coordinator=coordinator,
+    procs = start("zoo", [*ARGS, "--mesh", "tp", *LAZY], 1, 4, tmp_path, num_processes=2, coordinator=coordinator,
                   env={"ZOO_API_KEY": KEY})
     logs1 = tmp_path / "one"        # process 1, with its own command line
-    procs += start("zoo", [*ARGS, "--mesh", "tp", *follower], 1, 4, logs1, num_processes=2, coordinator=coordinator,
+    procs += start("zoo", [*ARGS, "--mesh", "tp", *LAZY, *follower], 1, 4, logs1, num_processes=2,
+                   coordinator=coordinator,
                    env={"ZOO_PROCESS_ID": "1"})
     try:
         if case == "leader":

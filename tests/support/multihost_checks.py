@@ -35,8 +35,8 @@ def count_reads() -> list[int]:
     return reads
 
 
-def forward(paths: dict, layouts: list[str], new_tokens: int = 4) -> tuple[dict, dict]:
-    """Each model (``paths``: name -> checkpoint) in each layout: float32 logits and MTP logits of fixed
+def forward(paths: dict, layouts: dict[str, list[str]], new_tokens: int = 4) -> tuple[dict, dict]:
+    """Each model (``paths``: name -> checkpoint) in its layouts: float32 logits and MTP logits of fixed
     prompts, the bytes this process read from the checkpoint, its host memory around the load, and
     the bytes of the parameters' shards on its devices; greedy and speculative tokens."""
     import jax
@@ -47,7 +47,7 @@ def forward(paths: dict, layouts: list[str], new_tokens: int = 4) -> tuple[dict,
     rng = np.random.default_rng(7)
     out, arrays = {}, {}
     for name, path in paths.items():
-        for layout in layouts:
+        for layout in layouts[name]:
             key = f"{name}/{layout}"
             reads.clear()
             before, _ = rss()

@@ -230,8 +230,8 @@ def abstract() -> dict:
     return out
 
 
-def prefix_cache(paths: dict) -> dict:
-    """Prefix caching on the mesh, both layouts, plain and MTP (k=2): a three-turn conversation
+def prefix_cache(paths: dict, layouts: dict[str, list[str]]) -> dict:
+    """Prefix caching on the mesh, each model in its ``layouts``, plain and MTP (k=2): a three-turn conversation
     whose turns 2 and 3 restore the cached prefix (blocks written into a sharded row, state leaves,
     the MTP slots) gives the tokens and logprobs of the single-device run without the cache."""
     from zoo.engine.generator import Generator
@@ -251,10 +251,11 @@ def prefix_cache(paths: dict) -> dict:
     for name, path in paths.items():
         ref = zoo.load(path, dtype="float32")
         for k in (0, 2):
-            want = converse(Generator(ref, spec_tokens=k, prefill_chunk=32, prefix_cache=0))
-            for layout in ("tp", "ep"):
+            shape = {"prefill_chunk": 32, "context": 256, "max_batch": 2}
+            want = converse(Generator(ref, spec_tokens=k, prefix_cache=0, **shape))
+            for layout in layouts[name]:
                 sharded = zoo.load(path, dtype="float32", mesh=layout)
-                gen = Generator(sharded, spec_tokens=k, prefill_chunk=32, prefix_cache=PrefixCache(2**30, 2**30, 16))
+                gen = Generator(sharded, spec_tokens=k, prefix_cache=PrefixCache(2**30, 2**30, 16), **shape)
                 got = converse(gen)
                 err = 0.0
                 for g, w in zip(got, want):

@@ -13,6 +13,11 @@ model and take the rest from it. A follower that dies, hangs or fails (``zoo.eng
 makes process 0 end the requests in flight with an error naming it and exit with status 3 within
 ``--follower-timeout`` seconds; when process 0 stops (SIGTERM: after the drain), the followers
 stop too and exit 0.
+
+Before it answers requests the engine compiles all its programs (``Generator.warmup``; ``/health``
+says "warming up" meanwhile, the console prints each program's seconds); every process does. With
+the compile cache (on by default: ``zoo.engine.compile_cache``) a second start of the same
+configuration loads them instead, and says so.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from zoo.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 CONFIG_KEY = "zoo/serve/config"
 LOAD_ARGS = ("model", "quant", "dtype", "mesh", "mtp", "vision", "mmproj")
+DEFAULT_CONTEXT = 32768  # zoo serve's tokens per request (capped by the model's positions)
 FAIL_GRACE_S = 2.0        # after a follower failed: time for the error to reach the clients before exiting
 EXIT_FOLLOWER_LOST = 3
 
@@ -68,7 +74,18 @@ def add_commands(sub) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
-    s.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    s.add_argument("--max-batch", type=int, default=16,
+                   help="requests decoded together (fewer if the accelerator's memory holds fewer)")
+    s.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
+                   help=f"tokens per request, prompt and output (default {DEFAULT_CONTEXT}, or the model's "
+                        "positions if fewer); fixed at startup with the rows")
+    s.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="the compiled-program cache (default: $ZOO_COMPILE_CACHE, else ~/.cache/zoo/compile); "
+                        "only ever read from a directory you name or your own cache directory")
+    s.add_argument("--no-compile-cache", dest="use_compile_cache", action="store_false",
+                   help="compile every program at startup, keep none")
+    s.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="serve at once and compile each program when a request first needs it (for debugging)")
     s.add_argument("--prefill-chunk", type=int, default=1024,
                    help="prompt tokens per prefill program, a power of two (zoo compile reports what fits)")
     s.add_argument("--prefix-cache-gb", type=float, default=None, metavar="N",
@@ -178,8 +195,38 @@ def _engine_args(args) -> dict:
     host_gb = args.prefix_cache_host_gb
     if host_gb is None:                                  # the default depends on this host's RAM
         host_gb = 0.1 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"spec_tokens": args.spec, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
-            "prefix_cache": args.prefix_cache_gb, "prefix_cache_host_gb": host_gb}
+    return {"spec_tokens": args.spec, "max_batch": args.max_batch, "context": args.context,
+            "prefill_chunk": args.prefill_chunk, "prefix_cache": args.prefix_cache_gb,
+            "prefix_cache_host_gb": host_gb}
+
+
+def _context(args, model) -> int:
+    """``--context``, capped by the model's positions when it is the default."""
+    positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+    return min(args.context, positions) if args.context == DEFAULT_CONTEXT else args.context
+
+
+def _start_compile_cache(args):
+    """Turn the compile cache on (before anything compiles) and print where it is; None when off."""
+    from zoo.engine.compile_cache import CompileCounter, compile_cache_dir, use_compile_cache
+
+    directory = compile_cache_dir(args.compile_cache, not args.use_compile_cache)
+    if directory is not None:
+        print(f"[zoo] {use_compile_cache(directory).note}", file=sys.stderr, flush=True)
+    return CompileCounter()
+
+
+def _progress(counter):
+    """Print each compiled program's seconds as a progress bar, then how many were compiled or loaded."""
+    t0 = time.perf_counter()
+
+    def show(name: str, seconds: float, done: int, total: int) -> None:
+        bar = "#" * done + "-" * (total - done)
+        print(f"[zoo] programs [{bar}] {done}/{total} {name}: {seconds:.1f}s", file=sys.stderr, flush=True)
+        if done == total:
+            print(f"[zoo] ready: {total} programs in {time.perf_counter() - t0:.1f}s ({counter.compiled} compiled, "
+                  f"{counter.loaded} loaded from the compile cache)", file=sys.stderr, flush=True)
+    return show
 
 
 def _image_policy(args):
@@ -202,13 +249,15 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
 
         engine = engine or _engine_args(args)
         key = args.api_key or os.environ.get("ZOO_API_KEY") or secrets.token_urlsafe(24)
+        counter = _start_compile_cache(args)
         t0 = time.perf_counter()
         model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp,
                          cache=args.cache, vision=args.vision,
                          mmproj=args.mmproj)
         name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
         app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], max_batch=engine["max_batch"],
-                         prefill_chunk=engine["prefill_chunk"], max_queue=args.max_queue,
+                         context=_context(args, model), prefill_chunk=engine["prefill_chunk"],
+                         warmup=args.warmup, on_warmup=_progress(counter), max_queue=args.max_queue,
                          queue_timeout_s=args.queue_timeout, model_name=name,
                          tool_format=None if args.tool_format == "none" else args.tool_format,
                          thinking_budget=args.thinking_budget, prefix_cache_gb=engine["prefix_cache"],
@@ -242,7 +291,8 @@ def _lead(args) -> int:
 
     client, count = global_state.client, jax.process_count()
     engine = _engine_args(args)
-    client.key_value_set_bytes(CONFIG_KEY, json.dumps({"load": _load_args(args), "engine": engine}).encode())
+    client.key_value_set_bytes(CONFIG_KEY, json.dumps({"load": _load_args(args), "engine": engine,
+                                                       "warmup": args.warmup}).encode())
     channel = Channel(client)
     app_engine = []
 
@@ -278,6 +328,7 @@ def _follow(args) -> int:
     from zoo.engine.replica_watch import Heartbeat
 
     client, me, count = global_state.client, jax.process_index(), jax.process_count()
+    _start_compile_cache(args)
     follower = None
     heartbeat = Heartbeat(client, me, progress=lambda: follower.n if follower is not None else 0).start()
     try:
@@ -293,8 +344,9 @@ def _follow(args) -> int:
         model = zoo.load(args.model, quant=args.quant, mesh=args.mesh, dtype=args.dtype, mtp=args.mtp,
                          cache=args.cache, vision=args.vision,
                          mmproj=args.mmproj)
-        follower = Follower(Generator(model, **config["engine"]), Channel(client))
-        steps = follower.run()
+        follower = Follower(Generator(model, **{**config["engine"], "context": _context(args, model)}),
+                            Channel(client))
+        steps = follower.run(warmup=config["warmup"])
     except Exception as e:
         message = f"{type(e).__name__}: {e}"
         heartbeat.fail(message)

@@ -11,15 +11,20 @@ leaves all lead with the row axis ``[B, ...]``::
             spec:  {"h": [B, k+1, D], "tok": [B, k+1], "n": [B]} pending MTP rows
     params  per-row sampling parameters and PRNG state: temperature, top_k, top_p, seed, step
 
-A step is ONE compiled program for the whole model (``_plain_step`` / ``speculative.spec_step``);
-the cache is donated. A new request is prefilled alone into a cache of the batch's length, in pieces
-that end at every multiple of ``prefill_chunk`` tokens, at its ``cache_marks`` and at the prompt's
-end (``_plan``), split into power-of-two widths (the last right-padded to ``PREFILL_MIN``: a few
-bounded compilations; ``zoo compile`` chooses the chunk a target's memory leaves room for); the
-index advances by the real tokens only, so a row is compact (slot s holds position s). Then it is
-inserted into a free row. The batch grows (rows doubling from ``MIN_ROWS`` up to ``max_batch``,
-slots in multiples of ``CACHE_BUCKET``) when a request needs it and ``memory_budget`` allows;
-otherwise the request waits, so concurrency is limited by cache memory, not by a constant.
+Shapes are fixed when the generator is made, so its programs are a fixed set (``program_set``),
+compiled once (``warmup``) and never again whatever the requests ask: ``context`` tokens per
+request (prompt and output), ``rows`` = ``max_batch`` or fewer, as many as ``memory_budget`` holds
+(the batch's cache and one prefill row), ``L`` cache slots per row (the context, the verify
+overshoot and a prefill piece's padding, rounded up to ``CACHE_BUCKET``).
+
+A step is ONE compiled program for the whole model (``_step_impl``: plain or
+``speculative.spec_step``); the cache is donated. A new request is prefilled alone into a one-row
+cache of L slots, in pieces that end at every multiple of ``prefill_chunk`` tokens, at its
+``cache_marks`` and at the prompt's end (``_plan``), each piece of one of two widths, the chunk or
+``prefill_small`` (= chunk / 16, at least ``PREFILL_MIN``), right-padded; ``zoo compile`` chooses
+the chunk a target's memory leaves room for. The index advances by the real tokens only, so a row
+is compact (slot s holds position s). Then it is placed into a free row; a request waits while
+every row is busy. A request whose prompt and ``max_new_tokens`` exceed the context is refused.
 
 Prefix caching (``zoo.engine.prefix_cache``): a request starts from the longest cached prefix of its
 prompt with a state snapshot at its end (``_lookup``, ``PrefixRows.restore``) and prefills the rest; every
@@ -29,17 +34,17 @@ counted against ``memory_budget`` and gives way to the batch.
 
 Log-probabilities (``zoo.engine.logprobs``): a request with ``logprobs`` N gets a ``TokenLogprob``
 per generated token (its logprob and N alternatives) in ``Request.token_logprobs``, computed inside
-the same programs (the step and the first-token program take a static top-K; steps where no row
-asks run without). ``prompt_logprobs`` N: the prefill also yields the prompt tokens' logprobs
+the same programs (always ``MAX_TOP`` alternatives, computed under a flag: steps where no row
+asks skip the work in the same program). ``prompt_logprobs`` N: the prefill also yields the prompt tokens' logprobs
 (``Request.prompt_token_logprobs``, the first one None); with ``max_new_tokens == 0`` the request
 ends after its prefill (an echo of the prompt's logprobs, as lm-evaluation-harness asks for).
 
 Structured outputs (``zoo.engine.constraint``): a request with a ``Constraint`` gets a token
-bitmask per step, filled on the host by llguidance while the device runs the forward, and applied
-to the logits on the device before sampling (``zoo.engine.masked_step``: the step split around the
-masks; steps with no constrained row run the fused program). Under MTP the host reads the drafts,
-checks them against the matcher (tentatively consumed, then rolled back) and masks every verify
-position. A request whose grammar completes finishes with "stop".
+bitmask per step, filled on the host by llguidance before the step from what it emitted so far, an
+input of the one step program (all ones for the other rows; a batch with no constrained row passes
+one resident all-ones mask). Under MTP a constrained row takes one token per step (cap 1, its mask
+at the first verify position: exactly a sample of the masked distribution). A request whose
+grammar completes finishes with "stop".
 
 Several choices (``n``): ``make_request(n=...)`` returns the first choice with the others in
 ``forks``; the prompt is prefilled once, its cache row copied into one row per choice, each choice
@@ -83,13 +88,13 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from zoo.engine import speculative
 from zoo.engine.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
 from zoo.engine.image_prefill import ImagePrefill, cache_tokens, check_images, multimodal
-from zoo.engine.logprobs import TokenLogprob, records, to_numpy, token_logprobs, top_bucket
+from zoo.engine.logprobs import TokenLogprob, maybe_token_logprobs, records, to_numpy
 from zoo.engine.masked_step import MaskedPrograms, pick_next
 from zoo.engine.options import RequestOptions, check_token_ids
 from zoo.engine.prefix_cache import PrefixCache, Snapshot, token_strides
 from zoo.engine.prefix_rows import PrefixRows
 from zoo.engine.request import Generation, ImageInput, Request
-from zoo.engine.rows import default_memory_budget, embed, first_token, place
+from zoo.engine.rows import default_memory_budget, first_token, place
 from zoo.engine.sampling import flag_nonfinite, row_keys
 from zoo.engine.thinking_budget import ThinkingBudget
 from zoo.sharding.cache_axes import cache_shardings, shard_cache
@@ -101,7 +106,7 @@ PREFILL_CHUNK = 1024
 PREFILL_MIN = 16
 CACHE_BUCKET = 256
 PREFIX_BLOCK = 256     # tokens per prefix-cache block (zoo.engine.prefix_cache)
-MIN_ROWS = 4          # the batch starts with this many rows (fewer compilations as streams join)
+DEFAULT_CONTEXT = 4096     # tokens per request when none is given (capped by the model's positions)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -112,22 +117,29 @@ class Generator:
     """Continuous-batching engine over ``model`` (a ``zoo.Model``); ``spec_tokens`` k > 0 drafts k
     tokens per step with the model's MTP head."""
 
-    def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, memory_budget: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache: PrefixCache | float | None = None,
-                 prefix_cache_host_gb: float | None = None, prefix_block: int = PREFIX_BLOCK):
-        """``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
-        the model's identity), its device budget in GiB (0: no prefix caching), or None for the
-        default (a quarter of ``memory_budget``); ``prefix_cache_host_gb``: the host-RAM tier (None:
-        a tenth of host RAM); ``prefix_block``: tokens per cached block (a power of two dividing
-        ``CACHE_BUCKET``)."""
+    def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, context: int | None = None,
+                 memory_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache: PrefixCache | float | None = None, prefix_cache_host_gb: float | None = None,
+                 prefix_block: int = PREFIX_BLOCK):
+        """``max_batch``: the most rows (fewer if ``memory_budget`` holds fewer, see ``rows``);
+        ``context``: tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the
+        model's positions if fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by
+        generators: entries are keyed by the model's identity), its device budget in GiB (0: no
+        prefix caching), or None for the default (a quarter of ``memory_budget``);
+        ``prefix_cache_host_gb``: the host-RAM tier (None: a tenth of host RAM); ``prefix_block``:
+        tokens per cached block (a power of two dividing ``CACHE_BUCKET``)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
         self.k = int(spec_tokens)
-        self.max_batch = max_batch
         if prefill_chunk < PREFILL_MIN or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.prefill_small = max(PREFILL_MIN, prefill_chunk // 16)
+        positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
+        self.context = int(context or min(DEFAULT_CONTEXT, positions))
+        if not 0 < self.context <= positions:
+            raise ValueError(f"context must be 1..{positions} (the model's positions), got {self.context}")
         self.memory_budget = memory_budget or default_memory_budget()
         self._graphdef, self._state = nnx.split(model.module)
         eos = set(getattr(model.config, "eos_token_id", ()) or ())
@@ -137,18 +149,18 @@ class Generator:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._rows: list[Request | None] = []
-        self._batch = None
-        self._B = self._L = 0
         self._cache_bytes: dict[tuple[int, int], int] = {}
-        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,), static_argnames=("top_n",))
-        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,), static_argnames=("top_n",))
+        self._L = _round_up(self.context + max(self.prefill_small, self.k + 1), CACHE_BUCKET)
+        self._B = self._fit_rows(max_batch)
+        self.max_batch = self._B
+        self._rows: list[Request | None] = [None] * self._B
+        self._batch = None                                  # made on first use (``_ensure_batch``)
+        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,))
         self._place_fn = jax.jit(functools.partial(place, k=self.k), donate_argnums=(0,))
         self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
-        self._grow_fn = jax.jit(embed, donate_argnums=(1,))
-        # jitted: eager sampling would recompile its cond per request
-        self._first_fn = jax.jit(first_token, static_argnames=("top_n",))
-        for name in ("_step_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_grow_fn", "_first_fn"):
+        self._first_fn = jax.jit(first_token)
+        for name in ("_step_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
         self._masked = MaskedPrograms(self._graphdef, self.k, getattr(model, "mesh", None))
         self._images = ImagePrefill(model, self._graphdef, getattr(model, "mesh", None)) if multimodal(model) else None
@@ -156,6 +168,7 @@ class Generator:
         self._mtp_mm = mtp is not None and "mm" in inspect.signature(mtp).parameters   # GLM: MTP takes the rows
         self.vocab = int(model.config.vocab_size)           # the logits' width
         self._mask_words = mask_words(self.vocab)
+        self._all_ones = None                               # the resident all-allowed masks (``_masks``)
         self._executor = None                               # llguidance's thread pool, made on first use
         self._init_prefix_cache(prefix_cache, prefix_cache_host_gb, prefix_block)
         self.prefills = 0                                   # prompts prefilled (a request's choices share one)
@@ -183,6 +196,33 @@ class Generator:
             None if mesh is None else dict(mesh.shape)))))
         self._rows_io = PrefixRows(prefix, root, self._graphdef, self.k, token_strides(shapes, CACHE_BUCKET), mesh)
 
+    def _fit_rows(self, most: int) -> int:
+        """The most rows (up to ``most``) whose batch state, with the one-row cache a prefill writes
+        into, fits ``memory_budget``; ``MemoryError`` when not even one does."""
+        row = self.cache_bytes(1, self._L)
+        rows = max(0, min(most, (self.memory_budget - row) // max(row, 1)))
+        while rows < most and self.cache_bytes(rows + 1, self._L) + row <= self.memory_budget:
+            rows += 1
+        while rows and self.cache_bytes(rows, self._L) + row > self.memory_budget:
+            rows -= 1
+        if not rows:
+            raise MemoryError(f"a context of {self.context} tokens needs {2 * row} bytes of cache for one row (and "
+                              f"its prefill); the budget is {self.memory_budget}: give a smaller context")
+        return rows
+
+    @property
+    def rows(self) -> int:
+        """Requests decoded together (the batch's rows)."""
+        return self._B
+
+    def _state_bytes(self) -> int:
+        """Bytes the batch and the prefill's row take of ``memory_budget``."""
+        return self.cache_bytes(self._B, self._L) + self.cache_bytes(1, self._L)
+
+    def _ensure_batch(self) -> None:
+        if self._batch is None:
+            self._batch = self._empty_fn(self._B, self._L)
+
     # -- device programs ----------------------------------------------------------------------
     def _empty_impl(self, rows: int, length: int) -> dict:
         model = nnx.merge(self._graphdef, self._state)
@@ -197,16 +237,16 @@ class Generator:
                   "step": jnp.zeros((rows,), jnp.int32)}
         return {"cache": cache, "carry": carry, "params": params}
 
-    def _prefill_impl(self, state, ids, mask, h_prev, next_ids, next_mask, cache, top_n: int | None = None,
-                      mm=None):
+    def _prefill_impl(self, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None):
         """One prompt piece ``ids`` [1, C], right-padded (``mask``: its real tokens first), written at
         the cache's index; the index then advances by the real tokens only, so the row stays compact
         (slot s holds position s) and the next piece overwrites the padding. With spec, also the MTP
         rows of the piece, lagged by one: the row of token x_t pairs it with h_{t-1} (``h_prev``
         [1, D] for the first, the previous piece's last hidden state) and sits in slot t, so the MTP
         slots of a block depend on that block's tokens only (the prefix cache shares them).
-        Returns (logits [1, V] and hidden [1, D] at the last real token, cache), and with ``top_n``
-        the ``token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t).
+        Returns (logits [1, V] and hidden [1, D] at the last real token, cache, the
+        ``maybe_token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t;
+        computed where the traced bool ``want_lp`` holds)).
         ``mm``: the piece's image inputs (``ImagePrefill.piece``), None for text."""
         model = nnx.merge(self._graphdef, state)
         count = mask.sum(axis=1, dtype=jnp.int32)
@@ -223,16 +263,14 @@ class Generator:
         last = jnp.maximum(count - 1, 0)
         logits_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
         hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        if top_n is not None:
-            return logits_last, hidden_last, shard_cache(cache), token_logprobs(logits, next_ids, top_n)
-        return logits_last, hidden_last, shard_cache(cache)
+        return logits_last, hidden_last, shard_cache(cache), maybe_token_logprobs(want_lp, logits, next_ids)
 
-    def _step_impl(self, state, batch, active, force, cap, top_n: int | None = None):
+    def _step_impl(self, state, batch, active, force, cap, want_lp):
         """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
-        ``cap`` [B] int32: the most tokens a speculative row may emit this step. Returns (batch,
-        tokens [B, T], n [B]: -1 for a row whose logits are not finite) and with ``top_n`` the
-        ``token_logprobs`` of ``tokens`` ([B, T] leaves) from the target model's logits (the verify
-        logits when speculating)."""
+        ``cap`` [B] int32: the most tokens a speculative row may emit this step. Returns
+        (batch, tokens [B, T], n [B]: -1 for a row whose logits are not finite, the
+        ``maybe_token_logprobs`` of ``tokens`` ([B, T] leaves) from the target model's logits (the
+        verify logits when speculating), computed where the traced bool ``want_lp`` holds)."""
         model = nnx.merge(self._graphdef, state)
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
         if self.k:
@@ -245,9 +283,7 @@ class Generator:
         n = flag_nonfinite(n, logits)
         params = {**params, "step": params["step"] + active.astype(jnp.int32)}
         batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
-        if top_n is not None:
-            return batch, tokens, n, token_logprobs(logits, tokens, top_n)
-        return batch, tokens, n
+        return batch, tokens, n, maybe_token_logprobs(want_lp, logits, tokens)
 
     # -- ahead of time ------------------------------------------------------------------------
     @property
@@ -256,10 +292,11 @@ class Generator:
         return self._state
 
     def program(self, name: str, keep_unused: bool = False):
-        """The jitted device program ``name`` ("decode": ``(state, batch, active, force, cap)``, the
-        batch donated; "prefill": ``(state, ids, mask, h_prev, next_ids, next_mask, cache)``, the cache donated),
-        not wrapped in the model's mesh: lower it under ``jax.set_mesh`` (``zoo.tools.compile_report``).
-        ``keep_unused``: the weights a program does not read stay arguments (resident memory)."""
+        """The jitted device program ``name`` ("decode": ``(state, batch, active, force, cap, masks,
+        want_lp)``, the batch donated; "prefill": ``(state, ids, mask, h_prev, next_ids, next_mask, cache,
+        want_lp)``, the cache donated), not wrapped in the model's mesh: lower it under ``jax.set_mesh``
+        (``zoo.tools.compile_report``). ``keep_unused``: the weights a program does not read stay
+        arguments (resident memory)."""
         impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (6,))}[name]
         return jax.jit(impl, donate_argnums=donate, keep_unused=keep_unused)
 
@@ -275,6 +312,84 @@ class Generator:
         cache = jax.tree.map(with_sharding, shapes["cache"], cache_shardings(shapes["cache"], mesh))
         rest = {k: jax.tree.map(lambda x: with_sharding(x, replicated), v) for k, v in shapes.items() if k != "cache"}
         return {"cache": cache, **rest}
+
+    @property
+    def prefill_widths(self) -> tuple[int, ...]:
+        """The prefill pieces' widths (``_plan``): the small one and the chunk where it fits the row."""
+        return tuple(sorted({self.prefill_small} | ({self.prefill_chunk} if self.prefill_chunk <= self._L else set())))
+
+    def program_set(self, keep_unused: bool = False) -> list[tuple[str, object, tuple]]:
+        """The whole-model programs of this configuration, all ``warmup`` compiles of them and all
+        ``zoo compile`` lists: ``(name, program, abstract args)``, ``program`` from ``program`` and the
+        args ShapeDtypeStructs with their shardings on the model's mesh. The decode step at rows x L
+        (with k MTP drafts when speculating) and the prefill at each of ``prefill_widths``."""
+        mesh = getattr(self.model, "mesh", None)
+        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        small = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
+        b, L = self._B, self._L
+        batch = self.abstract_batch(b, L)
+        decode = (self.weights, batch, small((b,), jnp.bool_), small((b,), jnp.int32), small((b,), jnp.int32),
+                  small((), jnp.bool_))
+        out = [(f"decode B={b} L={L}" + (f" MTP k={self.k}" if self.k else ""), self.program("decode", keep_unused),
+                decode)]
+        row = self.abstract_batch(1, L)["cache"]
+        h = small((1, self.model.config.hidden_size), self.model.module.dtype)
+        for w in self.prefill_widths:
+            ids, mask = small((1, w), jnp.int32), small((1, w), jnp.bool_)
+            out.append((f"prefill width={w} L={L}" + (" + MTP rows" if self.k else ""),
+                        self.program("prefill", keep_unused), (self.weights, ids, mask, h, ids, mask, row,
+                                                               small((), jnp.bool_))))
+        return out
+
+    def warmup(self, progress=None) -> list[tuple[str, float]]:
+        """Compile every program a request can run (the ``program_set`` and the small ones around it:
+        the empty batch and row, the first token, placing a row, the prefix cache's copies) by
+        running each once on zeros, through the same calls requests make; afterwards no request
+        compiles anything. ``progress(name, seconds, done, total)`` after each. Returns (name,
+        seconds) per program. The batch is left empty."""
+        timings: list[tuple[str, float]] = []
+        total = len(self.prefill_widths) + 3 + (self.prefix is not None)
+
+        def timed(name, fn):
+            t0 = time.perf_counter()
+            out = fn()
+            jax.block_until_ready(out)
+            timings.append((name, time.perf_counter() - t0))
+            if progress is not None:
+                progress(name, timings[-1][1], len(timings), total)
+            return out
+
+        self._ensure_batch()
+        row = None
+        for w in self.prefill_widths:
+            def prefill(w=w):
+                cache = self._empty_fn(1, self._L)["cache"]
+                return self._prefill_piece(np.zeros(w, np.int32), 0, w, w, cache, self._h_zero(), False)
+            row = timed(f"prefill width={w}", prefill)
+        logits, h_last, cache = row[:3]
+        params = self._row_params(RequestOptions(max_new_tokens=1), 0)
+
+        def first_and_place():
+            first, _ = self._first_fn(logits, params, self._masks(1, 1)[:, 0], np.bool_(False))
+            self._batch = self._place_fn(self._batch, cache, first, h_last, params, np.int32(0))
+            return self._batch
+        timed("first token + place", first_and_place)
+
+        none, force, cap = np.zeros(self._B, bool), np.full(self._B, -1, np.int32), np.ones(self._B, np.int32)
+
+        def decode(masked: bool):
+            out = (self._masked_step(none, force, cap, np.bool_(False)) if masked else
+                   self._step_fn(self._state, self._batch, none, force, cap, np.bool_(False)))
+            self._batch = out[0]
+            return out
+        timed("decode" + (f" MTP k={self.k}" if self.k else ""), lambda: decode(False))
+        timed("decode with token masks", lambda: decode(True))
+        if self.prefix is not None:
+            timed("prefix cache copies", lambda: self._rows_io.warmup(self._state, self._batch, cache,
+                                                                        h_last if self.k else None))
+        self._batch = None                       # the rows were written to: a fresh batch for requests
+        self._ensure_batch()
+        return timings
 
     # -- admission ----------------------------------------------------------------------------
     def cache_bytes(self, rows: int, length: int) -> int:
@@ -299,31 +414,25 @@ class Generator:
     def _plan(self, start: int, n: int, marks=()) -> list[tuple[int, int, int, bool]]:
         """The prefill pieces of prompt tokens ``start .. n-1``: ``(first, end, width, snapshot)``.
         Snapshot points: every multiple of ``prefill_chunk`` (shared by other prompts), each of
-        ``marks``, and ``n``. Between two, pieces of the largest power-of-two width that fits, the last
-        right-padded to ``PREFILL_MIN`` (or one piece of the next power of two, when that pads fewer
-        than ``PREFILL_MIN`` tokens: 25 tokens are one piece of 32, not 16 + 16): at most
-        ``PREFILL_MIN - 1`` padding tokens per segment, and only power-of-two widths up to the chunk
-        are ever compiled."""
-        chunk = self.prefill_chunk
+        ``marks``, and ``n``. Between two, pieces of the chunk's width while more than
+        ``prefill_small`` tokens remain (and the chunk fits the row's slots), then of the small
+        width; each right-padded. Only the ``prefill_widths`` are ever compiled."""
+        chunk, small = self.prefill_chunk, self.prefill_small
         ends = sorted(set(range(_round_up(start + 1, chunk), n, chunk)) | {m for m in marks if start < m < n} | {n})
         pieces, a = [], start
         for end in ends:
             while a < end:
-                width = min(chunk, max(PREFILL_MIN, 1 << ((end - a).bit_length() - 1)))
-                up = 2 * width                        # one wider piece when its padding is as small
-                if width < end - a and up <= chunk and up - (end - a) < PREFILL_MIN:
-                    width = up
+                width = chunk if end - a > small and a + chunk <= self._L else small
                 e = min(end, a + width)
                 pieces.append((a, e, width, e == end))
                 a = e
         return pieces
 
-    def _need(self, req: Request, start: int = 0) -> int:
-        """Token slots a request occupies: the widest write of its prefill pieces (from a cached
-        prefix of ``start`` tokens), or its prompt, new tokens and the verify overshoot."""
-        n = len(req.prompt)
-        written = max(a + w for a, _, w, _ in self._plan(start, n, req.options.cache_marks))
-        return max(written, n + req.options.max_new_tokens + self.k + 1)
+    def _check_length(self, n: int, options: RequestOptions) -> None:
+        """``ValueError`` when a prompt of ``n`` tokens and ``options.max_new_tokens`` exceed the context."""
+        if n + options.max_new_tokens > self.context:
+            raise ValueError(f"the prompt ({n} tokens) and max_new_tokens ({options.max_new_tokens}) exceed the "
+                             f"engine's context of {self.context} tokens")
 
     def _lookup(self, req: Request) -> Snapshot | None:
         """The longest cached prefix ``req`` may start from (at least one prompt token stays to
@@ -341,35 +450,20 @@ class Generator:
         return req.cache_tokens
 
     def _try_admit(self, req: Request) -> bool:
-        """Give ``req`` (and its forks) rows, growing the batch if needed and allowed, and prefill it;
-        False if it must wait for rows to free. The prefix cache's device tier gives way first."""
+        """Give ``req`` (and its forks) free rows and prefill it; False if it must wait for rows to free.
+        The prefix cache's device tier keeps within what the batch leaves of the budget."""
         group = [req] + req.forks
-        if len(group) > self.max_batch:
-            raise MemoryError(f"{len(group)} choices need {len(group)} batch rows; the engine has at most "
-                              f"{self.max_batch}")
-        hit = self._lookup(req)
-        free = sum(r is None for r in self._rows)
-        rows = self._B
-        while free + rows - self._B < len(group) and rows < self.max_batch:
-            rows = min(max(MIN_ROWS, 2 * rows), self.max_batch)
-        need = max(self._need(req), self._need(req, hit.length) if hit is not None else 0)
-        length = max(self._L, _round_up(need, CACHE_BUCKET))
-        if free + rows - self._B < len(group):
+        if len(group) > self._B:
+            raise MemoryError(f"{len(group)} choices need {len(group)} batch rows; the engine has {self._B}")
+        self._check_length(len(req.prompt), req.options)
+        if sum(r is None for r in self._rows) < len(group):
             return False
-        if self.cache_bytes(rows, length) > self.memory_budget:
-            if any(self._rows):
-                return False
-            raise MemoryError(f"request needs {self.cache_bytes(len(group), length)} bytes of cache for "
-                              f"{length} slots; the budget is {self.memory_budget}")
-        if self.prefix is not None:                  # the batch first: cached prefixes move to host RAM
-            self.prefix.fit_device(self.memory_budget - self.cache_bytes(rows, length))
+        hit = self._lookup(req)
+        if self.prefix is not None:
+            self.prefix.fit_device(self.memory_budget - self._state_bytes())
             if hit is not None and not self.prefix.holds(hit):
                 hit = None
-        if (rows, length) != (self._B, self._L):
-            empty = self._empty_fn(rows, length)
-            self._batch = empty if self._batch is None else self._grow_fn(self._batch, empty)
-            self._rows += [None] * (rows - self._B)
-            self._B, self._L = rows, length
+        self._ensure_batch()
         req.prefix_hit = hit
         at = []
         for member in group:
@@ -384,7 +478,7 @@ class Generator:
         """Cache the state after ``tokens`` (``PrefixRows.store``), then keep the device tier inside
         what the batch leaves."""
         self._rows_io.store(tokens, row)
-        self.prefix.fit_device(self.memory_budget - self.cache_bytes(self._B, self._L))
+        self.prefix.fit_device(self.memory_budget - self._state_bytes())
 
     def _prefill_into(self, group: list[Request], at: list[int]) -> None:
         """Prefill the shared prompt of ``group`` once (from its cached prefix, if any, then in pieces
@@ -394,40 +488,33 @@ class Generator:
         self.prefills += 1
         t0 = time.perf_counter()
         n = len(req.prompt)
-        row = self._empty_fn(1, self._L)
-        cache = row["cache"]
-        h_prev = jnp.zeros((1, self.model.config.hidden_size), self.model.module.dtype)
+        cache = self._empty_fn(1, self._L)["cache"]
+        h_prev = self._h_zero()
         snap = req.prefix_hit
         start = 0 if snap is None else snap.length
         if snap is not None:
             cache, hidden = self._rows_io.restore(snap, cache)
             if hidden is not None:
-                h_prev = hidden
+                h_prev = self._replicated(hidden)
         opts = req.options
         if self.prefix is not None and opts.prompt_logprobs is None and n >= 2:
             self.prefix.stats.hits += snap is not None
             self.prefix.stats.hit_tokens += start
             self.prefix.stats.miss_tokens += n - start
-        prompt_top = top_bucket([] if opts.prompt_logprobs is None else [opts.prompt_logprobs])
+        want = opts.prompt_logprobs is not None
         scored = []                                   # per piece: logprobs of the token after each position
         prompt = np.asarray(req.prompt, np.int32)
         images = None if not req.images else self._images.start(self._state, req, start)
         for a, e, w, snapshot in self._plan(start, n, opts.cache_marks):
-            ids = np.zeros((1, w), np.int32)
-            mask = np.zeros((1, w), bool)
-            nxt = np.zeros((1, w), np.int32)
-            ids[0, :e - a], mask[0, :e - a] = prompt[a:e], True
-            nxt[0, :min(e, n - 1) - a] = prompt[a + 1:e + 1]
-            nxt_mask = mask & (np.arange(a, a + w) < n - 1)[None]
-            mm = {} if images is None else {"mm": self._images.piece(images, a, e, w)}   # text: the same program
-            out = self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, top_n=prompt_top, **mm)
+            mm = None if images is None else self._images.piece(images, a, e, w)   # text: the same program
+            out = self._prefill_piece(prompt, a, e, w, cache, h_prev, want, mm)
             logits, h_prev, cache = out[:3]
-            if prompt_top is not None:
+            if want:
                 scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
             if self.prefix is not None and snapshot:
                 self._snapshot(self._key(req)[:e], lambda c=cache, h=h_prev: (c, h if self.k else None))
         prompt_lps = None
-        if prompt_top is not None:
+        if want:
             at_pos = {key: np.concatenate([s[key] for s in scored])[:n - 1] for key in scored[0]}
             prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, opts.prompt_logprobs)
         for member, r in zip(group, at):
@@ -441,28 +528,59 @@ class Generator:
             self._start_row(member, r, logits, h_prev, cache)
             member.stats["time_to_first_token"] = time.perf_counter() - t0
 
+    def _prefill_piece(self, prompt: np.ndarray, a: int, e: int, w: int, cache, h_prev, want: bool, mm=None):
+        """Prompt tokens ``a .. e-1`` of ``prompt`` (n tokens) as one piece of width ``w`` into the
+        one-row ``cache``; returns what ``_prefill_impl`` returns."""
+        n = len(prompt)
+        ids = np.zeros((1, w), np.int32)
+        mask = np.zeros((1, w), bool)
+        nxt = np.zeros((1, w), np.int32)
+        ids[0, :e - a], mask[0, :e - a] = prompt[a:e], True
+        nxt[0, :max(0, min(e, n - 1) - a)] = prompt[a + 1:e + 1]
+        nxt_mask = mask & (np.arange(a, a + w) < n - 1)[None]
+        extra = {} if mm is None else {"mm": mm}
+        return self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, np.bool_(want), **extra)
+
+    def _replicated(self, x):
+        """``x`` as the one kind of array a program sees for it, wherever it came from (a program's
+        output, the prefix cache's host RAM, zeros): on a mesh, replicated on all its devices; on one
+        device, uncommitted, as everything there is (a committed input is another program)."""
+        mesh = getattr(self.model, "mesh", None)
+        if mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+
+    def _h_zero(self):
+        """The hidden state before a prompt's first token ([1, D] zeros)."""
+        return self._replicated(np.zeros((1, self.model.config.hidden_size), self.model.module.dtype))
+
+    def _row_params(self, opts: RequestOptions, seed: int) -> dict:
+        """A row's sampling parameters ([1] leaves; PRNG step 1: the first token used step 0)."""
+        return {"temperature": np.float32([opts.temperature]), "top_k": np.int32([min(opts.top_k, self.vocab)]),
+                "top_p": np.float32([opts.top_p]), "seed": np.uint32([seed]), "step": np.int32([1])}
+
+    def _masks(self, rows: int, positions: int) -> np.ndarray:
+        """All-allowed token bitmasks [rows, positions, W] (a fresh array: callers fill theirs in)."""
+        return np.full((rows, positions, self._mask_words), -1, np.int32)
+
     def _start_row(self, req: Request, r: int, logits, h_last, cache) -> None:
         """Sample ``req``'s first token from the prefill's last ``logits`` (masked by its grammar) and
         put the prefilled ``cache`` with its carry and parameters into row ``r``."""
         opts = req.options
-        params = {"temperature": np.float32([opts.temperature]), "top_k": np.int32([min(opts.top_k, self.vocab)]),
-                  "top_p": np.float32([opts.top_p]), "seed": np.uint32([req.choice_seed]), "step": np.int32([1])}
-        mask = None
+        params = self._row_params(opts, req.choice_seed)
+        mask = self._masks(1, 1)[:, 0]
         if req.constraint is not None:
-            mask = np.full((1, self._mask_words), -1, np.int32)
             req.constraint.fill(mask)
-        first_top = top_bucket([] if opts.logprobs is None else [opts.logprobs])
-        first = self._first_fn(logits, params, top_n=first_top, mask=mask)
-        first_lp = None
-        if first_top is not None:
-            first, out = first
-        if int(first[0]) < 0:
+        want = opts.logprobs is not None
+        first, out = self._first_fn(logits, params, mask, np.bool_(want))
+        first_lp, token = None, int(host_value(first)[0])
+        if token < 0:
             raise FloatingPointError("the model's logits for this prompt are not finite (NaN or inf)")
-        if first_top is not None:
-            first_lp = records([int(first[0])], {key: v[0] for key, v in to_numpy(out).items()}, opts.logprobs)
-        self._batch = self._place_fn(self._batch, cache, first, h_last, params, r)
-        req.raw.append(int(first[0]))
-        self._deliver(req, [int(first[0])], first_lp)
+        if want:
+            first_lp = records([token], {key: v[0] for key, v in to_numpy(out).items()}, opts.logprobs)
+        self._batch = self._place_fn(self._batch, cache, first, h_last, params, np.int32(r))
+        req.raw.append(token)
+        self._deliver(req, [token], first_lp)
 
     # -- stepping -----------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -510,17 +628,16 @@ class Generator:
             return bool(self._waiting)
         force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
         cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
-        top_n = top_bucket([r.options.logprobs for r in self._rows if r is not None and r.options.logprobs is not None])
-        args = (jnp.asarray(active), jnp.asarray(force), jnp.asarray(cap))
+        want = any(r is not None and r.options.logprobs is not None for r in self._rows)
         self.steps += 1
         try:
             if any(r is not None and r.constraint is not None for r in self._rows):
-                out = self._masked_step(*args, top_n=top_n)
+                out = self._masked_step(active, force, cap, np.bool_(want))
             else:
-                out = self._step_fn(self._state, self._batch, *args, top_n=top_n)
+                out = self._step_fn(self._state, self._batch, active, force, cap, np.bool_(want))
             self._batch, tokens, counts = out[:3]
             tokens, counts = host_value(tokens), host_value(counts)
-            scored = to_numpy(out[3]) if top_n is not None else None
+            scored = to_numpy(out[3]) if want else None
         except Exception as e:
             self._fail_batch(e)
             return True
@@ -601,23 +718,22 @@ class Generator:
         self.faults["failed_steps"] += 1
         for req in [r for r in self._rows if r is not None] + [m for m in also if m not in self._rows]:
             self._fail(req, e, logged=True)
-        self._rows, self._batch, self._B, self._L = [], None, 0, 0
+        self._rows, self._batch = [None] * self._B, None
 
-    def _masked_step(self, active, force, cap, top_n):
+    def _masked_step(self, active, force, cap, want):
         """The step split around the host's token bitmasks (``zoo.engine.masked_step``); returns
         what ``_step_fn`` returns."""
         p = self._masked
-        masks = np.full((self._B, self.k + 1, self._mask_words), -1, np.int32)
+        masks = self._masks(self._B, self.k + 1)
         if not self.k:
             batch, logits = p.logits(self._state, self._batch, active)      # dispatched, runs meanwhile
             self._fill_masks(masks)
-            return p.pick(batch, logits, active, force, jnp.asarray(masks[:, :1]), top_n=top_n)
+            return p.pick(batch, logits, active, force, masks[:, :1], want)
         batch, drafts, q, x_m = p.draft(self._state, self._batch, active)
         host_drafts = host_value(drafts)
         batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active)
         self._fill_masks(masks, host_drafts)
-        return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap,
-                        jnp.asarray(masks), top_n=top_n)
+        return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want)
 
     def _fill_masks(self, masks: np.ndarray, drafts: np.ndarray | None = None) -> None:
         """Each constrained row's masks into ``masks`` [B, T, W] (the others stay all-allowed): one
@@ -734,6 +850,7 @@ class Generator:
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
         check_token_ids(prompt, self.vocab, "prompt")
+        self._check_length(len(prompt), options)
         n = options.n
         if constraints is None and options.grammar is not None:
             constraints = [self.constraint(options.grammar) for _ in range(n)]

@@ -10,10 +10,11 @@ the target model's verify logits at each emitted position, the same numbers a pl
                                                               "top_ids": [B, T, K] i32,
                                                               "top_logprobs": [B, T, K] f32}
 
-``K = top_n`` is static: one compiled variant per bucket of ``TOP_BUCKETS`` (the smallest one
-holding the largest ``top_logprobs`` an active row asks for); a step with no row asking for
-log-probabilities runs the program without them. The prefill of a request asking for its prompt's
-logprobs scores every position of its chunk: it holds a [C, V] float32 log-softmax.
+``K`` is always ``MAX_TOP`` (each request keeps as many as it asked for), so the engine's
+programs have one shape whatever the requests ask. ``maybe_token_logprobs`` computes them under a
+traced flag (``lax.cond``): a step where no row asks runs the same program and skips the work. The
+prefill of a request asking for its prompt's logprobs scores every position of its piece: it holds
+a [C, V] float32 log-softmax.
 """
 
 from __future__ import annotations
@@ -26,24 +27,27 @@ import jax.numpy as jnp
 from zoo.sharding.mesh import host_value
 
 MAX_TOP = 20                  # the most alternatives a request may ask for (OpenAI's bound)
-TOP_BUCKETS = (1, 5, MAX_TOP)  # compiled top-K sizes
 
 
-def top_bucket(wanted: list[int]) -> int | None:
-    """The static K for rows asking for ``wanted`` alternatives each (None: no row asks)."""
-    if not wanted:
-        return None
-    most = max(wanted)
-    return next(b for b in TOP_BUCKETS if b >= most)
-
-
-def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int) -> dict:
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int = MAX_TOP) -> dict:
     """Log-probabilities (float32) of ``tokens [B, T]`` under ``logits [B, T, V]`` and the ``top_n``
     most likely tokens at each position, most likely first (see the module doc)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
     top, ids = jax.lax.top_k(logp, top_n)
     return {"logprob": chosen, "top_ids": ids.astype(jnp.int32), "top_logprobs": top}
+
+
+def maybe_token_logprobs(want: jax.Array, logits: jax.Array, tokens: jax.Array) -> dict:
+    """``token_logprobs(logits, tokens, MAX_TOP)`` where the traced bool ``want`` is true, zeros of
+    the same shapes otherwise (the work skipped at run time, one program either way)."""
+    k = min(MAX_TOP, logits.shape[-1])
+
+    def skip():
+        b, t = tokens.shape
+        return {"logprob": jnp.zeros((b, t), jnp.float32), "top_ids": jnp.zeros((b, t, k), jnp.int32),
+                "top_logprobs": jnp.zeros((b, t, k), jnp.float32)}
+    return jax.lax.cond(want, lambda: token_logprobs(logits, tokens, k), skip)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ step is cut where the logits exist, the host fills the masks while the device ru
 
 The parts compute exactly what the fused step computes (same keys, same order); with all-ones
 masks the tokens are the fused step's. As there, a row whose logits are not finite comes back
-with n = -1 (``sampling.flag_nonfinite``). Each program takes a static ``top_n`` (log-probabilities,
-``zoo.engine.logprobs``, from the unmasked target logits) where it produces tokens. Rows without a
-constraint get all-ones masks; a batch without any constrained row never comes here.
+with n = -1 (``sampling.flag_nonfinite``). Each program that produces tokens also returns their
+``maybe_token_logprobs`` (``zoo.engine.logprobs``, from the unmasked target logits; computed where
+the traced flag ``want_lp`` holds). Rows without a constraint get all-ones masks; a batch without
+any constrained row never comes here. Every shape is the batch's: ``Generator.warmup`` compiles
+these parts once with the rest.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.engine import speculative
-from zoo.engine.logprobs import token_logprobs
+from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.sampling import flag_nonfinite, row_keys, sample
 from zoo.engine.token_mask import apply_token_mask
 from zoo.sharding.cache_axes import shard_cache
@@ -58,8 +60,8 @@ class MaskedPrograms:
         self.logits = jit(self._logits)
         self.draft = jit(self._draft)
         self.verify = jit(self._verify)
-        self.pick = on_mesh(jax.jit(self._pick, donate_argnums=(0,), static_argnames=("top_n",)), mesh)
-        self.settle = jit(self._settle, static_argnames=("top_n",))
+        self.pick = on_mesh(jax.jit(self._pick, donate_argnums=(0,)), mesh)
+        self.settle = jit(self._settle)
 
     def _model(self, state):
         return nnx.merge(self._graphdef, state)
@@ -69,12 +71,12 @@ class MaskedPrograms:
         return {**batch, "cache": shard_cache(cache)}, logits
 
     @staticmethod
-    def _pick(batch, logits, active, force, masks, top_n: int | None = None):
+    def _pick(batch, logits, active, force, masks, want_lp):
         params = batch["params"]
         carry, new = pick_next(batch["carry"]["tok"], params, logits[:, 0], active, force, masks[:, 0])
         batch = {**batch, "carry": carry, "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
-        out = (batch, new[:, None], flag_nonfinite(active.astype(jnp.int32), logits))
-        return out + (token_logprobs(logits, new[:, None], top_n),) if top_n is not None else out
+        return (batch, new[:, None], flag_nonfinite(active.astype(jnp.int32), logits),
+                maybe_token_logprobs(want_lp, logits, new[:, None]))
 
     def _draft(self, state, batch, active):
         params = batch["params"]
@@ -88,13 +90,11 @@ class MaskedPrograms:
         # the cache's declared axes) until ``settle`` rolls back to one
         return {**batch, "cache": cache}, p_logits, h, before
 
-    def _settle(self, state, batch, before, p_logits, h, q, drafts, active, force, cap, masks,
-                top_n: int | None = None):
+    def _settle(self, state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want_lp):
         params, carry = batch["params"], batch["carry"]
         cache, pending, tokens, n = speculative.settle(self._model(state), batch["cache"], before, p_logits, h, q,
                                                        drafts, active, row_keys(params), params, force, cap, masks)
         pending = {**pending, "h": pending["h"].astype(carry["h"].dtype)}
         batch = {"cache": shard_cache(cache), "carry": pending,
                  "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
-        out = (batch, tokens, flag_nonfinite(n, p_logits))
-        return out + (token_logprobs(p_logits, tokens, top_n),) if top_n is not None else out
+        return batch, tokens, flag_nonfinite(n, p_logits), maybe_token_logprobs(want_lp, p_logits, tokens)

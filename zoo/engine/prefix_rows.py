@@ -25,7 +25,7 @@ from flax import nnx
 
 from zoo.engine.prefix_cache import PrefixCache, Snapshot, split_leaves
 from zoo.sharding.cache_axes import map_with_axes, shard_cache, token_axis
-from zoo.sharding.mesh import on_mesh
+from zoo.sharding.mesh import host_value, on_mesh
 
 
 def _by_path(tree) -> dict:
@@ -72,6 +72,21 @@ class PrefixRows:
             return self.take_rest(cache, hidden, jnp.int32(start or 0), window=start is not None)
 
         self.prefix.store(self.root, tokens, lambda start: self.take_block(cache_row()[0], jnp.int32(start)), rest)
+
+    def warmup(self, weights, batch, cache, hidden):
+        """Run every copy once, with its inputs of each kind a request gives them (a prefill's row
+        or a finished batch row; entries on the device tier or in host RAM), so that none compiles
+        later; ``cache`` (a one-row cache, donated) and ``hidden`` ([1, D], None without MTP) come
+        from a prefill. Returns the last cache written."""
+        from_row = self.row(weights, batch, jnp.int32(0))
+        for c, h in (from_row, (cache, hidden)):
+            block = self.take_block(c, jnp.int32(0))
+            rests = [self.take_rest(c, h, jnp.int32(0), window=w) for w in (False, True)]
+        for arrays in (block, jax.tree.map(host_value, block)):
+            cache = self.put_block(cache, arrays, jnp.int32(0))
+        for state in (rests[1]["state"], jax.tree.map(host_value, rests[1]["state"])):
+            cache = self.put_state(cache, state)
+        return cache
 
     def _take_block(self, cache, start):
         def take(path, x, axes):

@@ -105,6 +105,10 @@ class Leader:
     def constraint(self, grammar):
         return self.gen.constraint(grammar)
 
+    def warmup(self, progress=None):
+        """``Generator.warmup`` (every follower runs its own, in the same order, before replaying)."""
+        return self.gen.warmup(progress)
+
     def make_request(self, prompt, options: RequestOptions | None = None, **kwargs):
         """``Generator.make_request``, refusing what the followers cannot replay: images (they would
         prefill without them and drift from process 0), constraints without their grammar."""
@@ -177,9 +181,12 @@ class Follower:
         self.reqs: dict[int, object] = {}
         self.n = 0                                      # plans applied
 
-    def run(self, timeout_s: float | None = None) -> int:
+    def run(self, timeout_s: float | None = None, warmup: bool = False) -> int:
         """Replay until the leader stops (``timeout_s``: the longest wait for one plan; None: no
-        limit, the leader may idle); returns the steps replayed."""
+        limit, the leader may idle); returns the steps replayed. ``warmup`` first runs the
+        generator's warmup (process 0 runs its own: their programs' collectives pair up)."""
+        if warmup:
+            self.gen.warmup()
         while True:
             plan = self.channel.poll(self.n, timeout_s)
             if plan.get("stop"):

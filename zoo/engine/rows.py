@@ -1,10 +1,9 @@
 """The engine's small programs and sizes around a batch's rows (``zoo.engine.generator``): the memory
-budget of the caches, the first token of a prefilled request, placing it into a row, growing a batch.
+budget of the caches, the first token of a prefilled request, placing it into a row.
 
     default_memory_budget()                          bytes the caches may use
-    first_token(logits [B, V], params, top_n, mask)  the token [B] after a prefill (-1: broken logits)
+    first_token(logits [B, V], params, mask, want_lp) the token [B] after a prefill (-1: broken logits)
     place(batch, cache, first [1], h_last [1, D], params, r, k)   a prefilled request into row r
-    embed(old, new)                                  a batch copied into a larger one's leading corner
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.engine.logprobs import token_logprobs
+from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.sampling import row_keys, sample
 from zoo.engine.token_mask import apply_token_mask
 
@@ -34,11 +33,6 @@ def default_memory_budget() -> int:
     return budget
 
 
-def embed(old, new):
-    """Copy every leaf of ``old`` into the leading corner of the same leaf of ``new``."""
-    return jax.tree.map(lambda o, n: n.at[tuple(slice(0, d) for d in o.shape)].set(o.astype(n.dtype)), old, new)
-
-
 def place(batch: dict, cache, first: jax.Array, h_last: jax.Array, params: dict, r, k: int) -> dict:
     """A prefilled request into row ``r`` of ``batch``: its ``cache`` (one row), its carry from its
     first token ``first`` [1] (and, with ``k`` MTP drafts, the prefill's last hidden state ``h_last``
@@ -53,14 +47,11 @@ def place(batch: dict, cache, first: jax.Array, h_last: jax.Array, params: dict,
     return jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row)
 
 
-def first_token(logits: jax.Array, params: dict, top_n: int | None = None, mask: jax.Array | None = None):
+def first_token(logits: jax.Array, params: dict, mask: jax.Array, want_lp: jax.Array):
     """The token [B] sampled from the prefill's last logits [B, V] (PRNG step 0; -1 where they are not
-    finite), masked by ``mask``
-    [B, W] if given; with ``top_n``, also its ``token_logprobs`` ([B, 1] leaves, unmasked logits)."""
+    finite), masked by ``mask`` [B, W] (all ones: unconstrained), and its ``maybe_token_logprobs``
+    ([B, 1] leaves, from the unmasked logits; computed where the traced bool ``want_lp`` holds)."""
     keys = row_keys({**params, "step": jnp.zeros_like(params["step"])})
-    masked = logits if mask is None else apply_token_mask(logits, mask)
-    tok = sample(masked, keys, params["temperature"], params["top_k"], params["top_p"])
+    tok = sample(apply_token_mask(logits, mask), keys, params["temperature"], params["top_k"], params["top_p"])
     tok = jnp.where(jnp.isfinite(logits).all(axis=-1), tok, -1)     # -1: the prefill's logits are broken
-    if top_n is None:
-        return tok
-    return tok, token_logprobs(logits[:, None], tok[:, None], top_n)
+    return tok, maybe_token_logprobs(want_lp, logits[:, None], tok[:, None])

@@ -78,7 +78,8 @@ def _tool_call_format(tool_format: str | None, model) -> ToolCallFormat | None:
 
 
 def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_batch: int = 16,
-               prefill_chunk: int = PREFILL_CHUNK,
+               context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, warmup: bool = False,
+               on_warmup=None,
                max_queue: int = 64, queue_timeout_s: float = 60.0, keepalive_s: float = 15.0,
                model_name: str | None = None, tool_format: str | None = "auto", default_max_tokens: int = 4096,
                memory_budget: int | None = None, thinking_budget: int | None = None,
@@ -89,8 +90,12 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
-    length. max_batch: rows decoded together. prefill_chunk: prompt tokens per prefill program (a power
-    of two; ``zoo compile`` reports the largest a target chip leaves room for). max_queue: requests that
+    length. max_batch: rows decoded together (fewer if the memory holds fewer). context: tokens per
+    request, prompt and output (None: ``Generator``'s default). prefill_chunk: prompt tokens per
+    prefill program (a power of two; ``zoo compile`` reports the largest a target chip leaves room
+    for). warmup: the engine compiles all its programs before it serves (``/health`` says "warming
+    up" until then; requests wait; ``zoo serve`` does; off, each program compiles when a request
+    first needs it); ``on_warmup(name, seconds, done, total)`` after each. max_queue: requests that
     may wait for a row (more: 429); queue_timeout_s: how long one may wait (then 503). keepalive_s:
     silence after which a stream gets a keep-alive comment / ping. tool_format: a key of
     ``zoo.text.tool_calls.FORMATS``, None (tool calls are not parsed) or "auto" (from the chat
@@ -114,25 +119,26 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     calls = _tool_call_format(tool_format, model)
     image_policy = image_policy or ImagePolicy()
     vision = VisionInputs.from_model(model, image_policy)        # None: text only
-    generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, memory_budget=memory_budget,
-                          prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
+    generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, context=context,
+                          memory_budget=memory_budget, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
                           prefix_cache_host_gb=prefix_cache_host_gb)
+    context, rows = generator.context, generator.rows
     metrics = Metrics()
     if generator.prefix is not None:
         metrics.watch_prefix_cache(generator.prefix)
     if replica is not None:
         generator = replica(generator)
-    engine = EngineThread(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s)
+    engine = EngineThread(generator, metrics, max_queue=max_queue, queue_timeout_s=queue_timeout_s, warmup=warmup,
+                          on_progress=on_warmup)
     name = model_name or Path(str(model.load_info.get("path", "zoo"))).name
-    context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
     service = Service(engine, model.tokenizer, name, calls, context, default_max_tokens, keepalive_s,
                       thinking_budget, vision=vision, image_policy=image_policy)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log.info("serving %s (tool format %s, max batch %d, spec %d, %s)", name, calls and calls.name, max_batch,
-                 spec_tokens, "text only" if vision is None else f"images: {vision.spec.family}")
+        log.info("serving %s (tool format %s, %d rows of %d tokens, spec %d, %s)", name, calls and calls.name, rows,
+                 context, spec_tokens, "text only" if vision is None else f"images: {vision.spec.family}")
         yield
         engine.stop()
 

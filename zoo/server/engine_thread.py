@@ -97,6 +97,8 @@ class Job:
     async def admitted(self) -> None:
         """Wait for a batch row; 503 (and cancel) after the engine's queue timeout."""
         try:
+            while self.engine.warming is not None and not self._settled.is_set():   # the wait starts once ready
+                await asyncio.sleep(0.05)
             await asyncio.wait_for(self._settled.wait(), self.engine.queue_timeout_s)
         except TimeoutError:
             self.cancel()
@@ -160,8 +162,15 @@ class Job:
 class EngineThread:
     """The generator's thread, the admission limit, and the metrics of the requests."""
 
-    def __init__(self, generator, metrics: Metrics, *, max_queue: int = 64, queue_timeout_s: float = 60.0):
+    def __init__(self, generator, metrics: Metrics, *, max_queue: int = 64, queue_timeout_s: float = 60.0,
+                 warmup: bool = True, on_progress=None):
+        """``warmup``: the thread first compiles the engine's programs (``Generator.warmup``); until
+        then ``/health`` says "warming up" and requests wait (their queue timeout starts once ready).
+        ``on_progress(name, seconds, done, total)`` after each program."""
         self.generator, self.metrics = generator, metrics
+        self.warming: dict | None = {"programs_compiled": 0} if warmup else None
+        self.warmup_seconds: list[tuple[str, float]] = []
+        self._on_progress = on_progress
         self.max_queue, self.queue_timeout_s = max_queue, queue_timeout_s
         self.error: str | None = None        # why the engine thread stopped (None: it runs)
         self.draining = False                 # shutting down: no new requests
@@ -187,10 +196,18 @@ class EngineThread:
 
     def _run(self) -> None:
         try:
+            if self.warming is not None:
+                self.warmup_seconds = self.generator.warmup(self._progress)
+                self.warming = None
             self.generator.run_forever(self._stop)
         except BaseException as e:          # the device state is unknown now: fail every request
             log.exception("the engine thread failed")
             self.fail_all(f"the engine failed: {type(e).__name__}: {e}")
+
+    def _progress(self, name: str, seconds: float, done: int, total: int) -> None:
+        self.warming = {"programs_compiled": done, "programs": total, "last": name}
+        if self._on_progress is not None:
+            self._on_progress(name, seconds, done, total)
 
     def fail_all(self, message: str, status: int = 500) -> None:
         """The engine cannot go on (any thread): it is marked down with ``message`` (new requests get
@@ -224,12 +241,16 @@ class EngineThread:
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) for ``/health``: 200 "ok" while the engine serves (with the faults it
-        recovered from, if any), 503 "draining" while shutting down, 503 "error" once it stopped."""
+        recovered from, if any), 503 "warming up" while it compiles its programs (how many so far),
+        503 "draining" while shutting down, 503 "error" once it stopped."""
         faults = dict(self.generator.faults)
         if not self.alive:
             return 503, {"status": "error", "error": self.error or "the engine is not running", "faults": faults}
         if self.draining:
             return 503, {"status": "draining", "running": len(self._jobs)}
+        warming = self.warming
+        if warming is not None:
+            return 503, {"status": "warming up", **warming}
         body = {"status": "ok"}
         if faults["failed_requests"] or faults["failed_steps"]:
             body["faults"] = faults

@@ -226,7 +226,7 @@ class Service:
     tokenizer: object
     model_name: str
     tool_format: ToolCallFormat | None   # or its name (``zoo.text.tool_calls.FORMATS``); None: calls not parsed
-    context: int                    # the model's maximum sequence length
+    context: int                    # tokens per request, prompt and output (the engine's)
     default_max_tokens: int
     keepalive_s: float
     thinking_budget: int | None = None   # reasoning tokens before "</think>" is forced (None: unlimited)
@@ -254,7 +254,7 @@ class Service:
         instead of being tokenized first; nothing is checked where the tokenizer gives no bound."""
         per_token = getattr(self.tokenizer, "max_chars_per_token", None)
         if per_token and len(text) > self.context * per_token:
-            raise ApiError(400, f"{where} has {len(text)} characters, more than the model's context of "
+            raise ApiError(400, f"{where} has {len(text)} characters, more than the server's context of "
                                 f"{self.context} tokens can hold (a token spans at most {per_token} characters)",
                            code="context_length_exceeded")
 
@@ -358,7 +358,7 @@ class Service:
         (``KEEP``); ``fields``: the other ``RequestOptions`` fields as the request gave them
         (``temperature``, ``stop``, ``n``, ``logprobs``, ``grammar``, ``cache_marks``, ...)."""
         if len(ids) >= self.context:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {self.context}",
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; the server's context is {self.context}",
                            code="context_length_exceeded")
         budget = self.context - len(ids)
         return RequestOptions(

@@ -186,34 +186,26 @@ class _Session:
     weights: int
     hlo_dir: str | None = None
 
-    def generator(self, spec_tokens: int, batch: int) -> Generator:
-        return Generator(self.model, spec_tokens=spec_tokens, max_batch=batch, memory_budget=1 << 62)
+    def generator(self, spec_tokens: int, batch: int, context: int, chunk: int = 1024) -> Generator:
+        return Generator(self.model, spec_tokens=spec_tokens, max_batch=batch, context=context, prefill_chunk=chunk,
+                         memory_budget=1 << 62, prefix_cache=0)
 
     def decode(self, batch: int, context: int, spec_tokens: int) -> dict:
-        gen = self.generator(spec_tokens, batch)
-        mesh = self.model.mesh
-        state = gen.abstract_batch(batch, context)
-        rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-        active = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=rows.sharding)
-        label = f"decode B={batch} L={context}" + (f" MTP k={spec_tokens}" if spec_tokens else "")
+        """The server's decode step (``Generator.program_set``) at ``batch`` rows of ``context`` tokens."""
+        gen = self.generator(spec_tokens, batch, context)
+        label, fn, args = gen.program_set(keep_unused=True)[0]
         read = must_read(self.model.module, self.model.config, rows=batch * (spec_tokens + 1),
                          mtp_calls=spec_tokens, mtp_rows=batch * (spec_tokens + 1))
-        return self._report(label, gen.program("decode", keep_unused=True), (gen.weights, state, active, rows, rows),
-                            state, read)
+        return self._report(label, fn, args, args[1], read)
 
-    def prefill(self, chunk: int, context: int, spec_tokens: int) -> dict:
-        gen = self.generator(spec_tokens, 1)
-        state = gen.abstract_batch(1, context)["cache"]
-        ids = jax.ShapeDtypeStruct((1, chunk), jnp.int32, sharding=NamedSharding(self.model.mesh, PartitionSpec()))
-        mask = jax.ShapeDtypeStruct((1, chunk), jnp.bool_, sharding=ids.sharding)
-        label = f"prefill chunk={chunk} L={context}" + (" + MTP rows" if spec_tokens else "")
-        read = must_read(self.model.module, self.model.config, rows=chunk, mtp_calls=1 if spec_tokens else 0,
-                         mtp_rows=chunk)
-        hidden = jax.ShapeDtypeStruct((1, self.model.config.hidden_size), self.model.module.dtype,
-                                      sharding=ids.sharding)
-        return self._report(label, gen.program("prefill", keep_unused=True),
-                            (gen.weights, ids, mask, hidden, ids, mask, state),
-                            state, read)
+    def prefill(self, chunk: int, context: int, spec_tokens: int, width: int | None = None) -> dict:
+        """The server's prefill program of ``width`` tokens (None: the chunk) into a row of ``context``."""
+        gen = self.generator(spec_tokens, 1, context, chunk)
+        width = width or chunk
+        label, fn, args = next(p for p in gen.program_set(keep_unused=True)[1:] if f"width={width} " in p[0])
+        read = must_read(self.model.module, self.model.config, rows=width, mtp_calls=1 if spec_tokens else 0,
+                         mtp_rows=width)
+        return self._report(label, fn, args, args[6], read)
 
     def _report(self, label: str, fn, args: tuple, state, read: dict) -> dict:
         try:
@@ -281,6 +273,9 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
             reports.append(session.prefill(chunk, context, spec_tokens))
             if prefill_chunk is not None or reports[-1]["margin"] >= min_margin:
                 chosen = chunk
+                small = session.generator(spec_tokens, 1, context, chunk).prefill_small
+                if small < chunk:                     # the server's other prefill width
+                    reports.append(session.prefill(chunk, context, spec_tokens, small))
                 break
             reports[-1]["rejected"] = True          # tried for the chunk size, left too little
         else:
