@@ -38,18 +38,21 @@ def test_zoo_serve_tiny_model():
 def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
     """``zoo serve --compile-cache DIR``: the first start compiles its programs before it answers
     (``/health`` says "warming up" until then) and keeps them in DIR; a second start of the same
-    configuration compiles nothing and says so."""
+    configuration, with another cache directory that takes DIR's programs (``--trust-compile-cache``,
+    as a session restoring a published dataset does), compiles nothing and says so."""
     import time
 
     import httpx2 as httpx
 
-    config = ("--port", "0", "--log-level", "warning", "--compile-cache", str(tmp_path / "programs"),
-              "--context", "512", "--prefill-chunk", "64", "--max-batch", "2", "--spec", "1")
+    config = ("--port", "0", "--log-level", "warning", "--context", "512", "--prefill-chunk", "64",
+              "--max-batch", "2", "--spec", "1")
+    caches = [("--compile-cache", str(tmp_path / "programs")),
+              ("--compile-cache", str(tmp_path / "restored"), "--trust-compile-cache", str(tmp_path / "programs"))]
     ready = []
     for run in range(2):
         log = tmp_path / f"stderr-{run}.txt"
         with open(log, "w") as err:
-            proc, printed = start_zoo_serve(*config, env={"ZOO_API_KEY": "k"}, stderr=err)
+            proc, printed = start_zoo_serve(*config, *caches[run], env={"ZOO_API_KEY": "k"}, stderr=err)
         try:
             health = httpx.get(printed["OpenAI base URL"].removesuffix("/v1") + "/health")
             if run == 0:                                   # answering while it compiles
@@ -67,7 +70,7 @@ def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
             proc.stdout.close()
             assert proc.wait(30) == 0
         text = log.read_text()
-        assert f"compile cache: {tmp_path / 'programs'}" in text, text
+        assert f"compile cache: {tmp_path / ('programs', 'restored')[run]}" in text, text
         ready.append(next(line for line in text.splitlines() if line.startswith("[zoo] ready:")))
     compiled = [int(line.split("(")[1].split(" compiled")[0]) for line in ready]
     assert compiled[0] > 0 and compiled[1] == 0, ready

@@ -177,8 +177,9 @@ class ZooServer:
     """``zoo serve ARGS`` in a child process on a free loopback port (or ``--port`` if ARGS give one).
 
     ``start()`` returns once the server printed its banner (model loaded, port bound) and answers
-    ``/health``; its stderr goes to ``log_path`` (``log_tail()``). ``load_seconds`` / ``loaded_from``
-    come from its "[zoo] loaded" line; ``started_at`` is when the process started (``time.time()``)."""
+    ``/health`` with 200 (after it compiled or loaded its programs); its stderr goes to ``log_path``
+    (``log_tail()``). ``load_seconds`` / ``loaded_from`` come from its "[zoo] loaded" line;
+    ``started_at`` is when the process started (``time.time()``)."""
 
     def __init__(self, *args: str, env: dict | None = None, log_path: str | Path | None = None,
                  start_timeout_s: float = 3600.0):
@@ -214,9 +215,10 @@ class ZooServer:
             self.stop(timeout_s=10)
             raise RuntimeError(f"zoo serve {' '.join(self.args)} did not start (exit status "
                                f"{self.proc.returncode}); its log ends with:\n{self.log_tail()}")
-        deadline = time.time() + 60
+        deadline = self.started_at + self.start_timeout_s     # it compiles its programs before it is healthy
         while not _healthy(f"{self.base_url}/health"):
-            if time.time() > deadline:
+            if time.time() > deadline or self.proc.poll() is not None:
+                self.stop(timeout_s=10)
                 raise RuntimeError(f"zoo serve is not healthy; its log ends with:\n{self.log_tail()}")
             time.sleep(0.2)
         self.ready_at = time.time()
@@ -235,6 +237,13 @@ class ZooServer:
                 if key == "API key":
                     done.set()
         done.set()                                       # the process ended before its banner
+
+    def programs_line(self) -> str:
+        """The server's line on its programs: how many, in how long, compiled or loaded from the
+        compile cache (and where that came from)."""
+        lines = [ln.removeprefix("[zoo] ") for ln in self.log_path.read_text().splitlines()
+                 if ln.startswith(("[zoo] ready:", "[zoo] compile cache:"))]
+        return "; ".join(lines) or "no warmup line (zoo serve --no-warmup?)"
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

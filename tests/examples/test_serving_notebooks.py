@@ -15,7 +15,7 @@ import sys
 from tests.support.notebooks import NOTEBOOKS, outputs_text, run_notebook
 
 COMMON = {"INSTALL": None, "GGUF": None, "PUSH_DATASET": None, "MAX_TOKENS": 32, "BATCHES": [1, 3],
-          "SERVE_ARGS": ["--max-batch", "4"]}
+          "SERVE_ARGS": ["--max-batch", "4", "--context", "1024", "--prefill-chunk", "64"]}
 EIGHT_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
@@ -30,7 +30,7 @@ def test_glm_notebook_first_run_builds_the_cache_and_serves_from_it(tmp_path):
     attached.mkdir()
     nb = run_notebook(NOTEBOOKS / "glm53-flash-v5e-8.ipynb",
                       {**COMMON, "MODEL": "glm53-tiny", "QUANT": "int8", "MESH": "ep", "DEVICES": 8,
-                       "CACHE_DIR": str(cache)}, tmp_path,
+                       "CACHE_DIR": str(cache), "COMPILE_CACHE": str(tmp_path / "programs")}, tmp_path,
                       env={**EIGHT_CPUS, "ZOO_CACHE_SEARCH": str(attached)})
     text = outputs_text(nb)
     assert "no matching cache: the model loads from its sources" in text
@@ -59,10 +59,12 @@ def test_qwen_notebook_restores_an_attached_dataset(tmp_path):
     entry = next(dataset.glob("*/manifest.json")).parent
     nb = run_notebook(NOTEBOOKS / "qwen38-27b.ipynb",
                       {**COMMON, "MODEL": "qwen38-tiny", "QUANT": None, "MESH": None, "DEVICES": 1,
-                       "CACHE_DIR": str(cache)}, tmp_path, env={"ZOO_CACHE_SEARCH": str(attached)})
+                       "CACHE_DIR": str(cache), "COMPILE_CACHE": str(tmp_path / "programs")}, tmp_path,
+                      env={"ZOO_CACHE_SEARCH": str(attached)})
     text = outputs_text(nb)
     assert f"restores {entry} (" in text
     assert "built in" not in text and not cache.exists()              # nothing built, nothing written
     assert text.count(f"restored from {entry} in") == 1               # the MTP server (the plain one: quiet)
     assert re.search(r"MTP speed-up: [0-9.]+x", text)
     assert {r["batch"] for r in sweep_of(text)} == {1, 3}
+    assert re.search(r"ready: \d+ programs in [0-9.]+s \(\d+ compiled", text)   # warmed before serving

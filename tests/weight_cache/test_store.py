@@ -19,6 +19,7 @@ from flax import nnx
 
 import zoo
 from tests.support.paths import DATA, ROOT
+from zoo.engine.compile_cache import trust_compile_cache
 from zoo.weight_cache import store as checkpoint
 
 IDS = np.arange(40)[None] % 500
@@ -153,6 +154,21 @@ def test_kaggle_push_pull_and_input_discovery(tmp_path, monkeypatch):
     assert found.load_info["source"] == "cache"
     assert found.load_info["cache_path"].startswith(str(kaggle_input))
     assert_same_model(built, found)
+    # With the compiled programs: the entry in a folder of its name, the programs in compile-cache/
+    programs = tmp_path / "programs"
+    programs.mkdir()
+    (programs / "jit_step-0123").write_bytes(b"program")
+    monkeypatch.setattr(kagglehub, "dataset_upload", lambda handle, local_dir, version_notes="", ignore_patterns=None:
+                        shutil.copytree(local_dir, kaggle_input / handle.split("/")[1]))
+    checkpoint.push(entry, "someone/with-programs", compile_cache=programs)
+    assert checkpoint.pull("someone/with-programs") == kaggle_input / "with-programs" / entry.name
+    published = kaggle_input / "with-programs" / "compile-cache"
+    assert (published / "jit_step-0123").read_bytes() == b"program"
+    published.chmod(0o555)                                            # an attached dataset is read-only
+    mine = tmp_path / "my-programs"
+    line = trust_compile_cache(published, mine)
+    assert (mine / "jit_step-0123").read_bytes() == b"program" and "1 programs copied" in line
+    assert "0 programs copied" in trust_compile_cache(published, mine)  # what it has stays
 
 
 def test_manifest_is_data_only(tmp_path):

@@ -2,7 +2,7 @@
 
     zoo cache build NAME|PATH --dir DIR [--quant RECIPE --dtype bfloat16] [--mesh tp]
     zoo cache ls DIR
-    zoo cache push ENTRY --dataset OWNER/NAME [--notes TEXT]       (kagglehub dataset upload)
+    zoo cache push ENTRY --dataset OWNER/NAME [--notes TEXT] [--compile-cache DIR]   (kagglehub upload)
     zoo cache pull OWNER/NAME [--dest DIR]                         (kagglehub dataset download)
 
 ``build`` writes the entry ``zoo.load(NAME, quant=, dtype=, cache=DIR)`` would, and prints one JSON
@@ -82,8 +82,9 @@ def _ls(args) -> int:
 
 def _push(args) -> int:
     from zoo.weight_cache import store as checkpoint
-    checkpoint.push(args.entry, args.dataset, args.notes)
-    print(f"pushed {args.entry} to kaggle dataset {args.dataset}")
+    checkpoint.push(args.entry, args.dataset, args.notes, compile_cache=args.compile_cache)
+    print(f"pushed {args.entry}" + (f" and the programs in {args.compile_cache}" if args.compile_cache else "")
+          + f" to kaggle dataset {args.dataset}")
     return 0
 
 
@@ -115,6 +116,9 @@ def add_commands(sub) -> None:
     p.add_argument("entry")
     p.add_argument("--dataset", required=True, help="OWNER/NAME")
     p.add_argument("--notes", default="")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="also publish these compiled programs (zoo serve's compile cache) in compile-cache/; "
+                        "restore them with zoo serve --trust-compile-cache")
     p.set_defaults(fn=_push)
     q = c.add_parser("pull", help="download a Kaggle dataset holding a cache entry (kagglehub)")
     q.add_argument("dataset", help="OWNER/NAME[/versions/N]")

@@ -82,6 +82,10 @@ def add_commands(sub) -> None:
     s.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="the compiled-program cache (default: $ZOO_COMPILE_CACHE, else ~/.cache/zoo/compile); "
                         "only ever read from a directory you name or your own cache directory")
+    s.add_argument("--trust-compile-cache", default=None, metavar="DIR",
+                   help="also use the programs in DIR (e.g. published with your weights by zoo cache push "
+                        "--compile-cache): they are copied into the compile cache. A compile cache is code: "
+                        "name only one you made")
     s.add_argument("--no-compile-cache", dest="use_compile_cache", action="store_false",
                    help="compile every program at startup, keep none")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -208,9 +212,13 @@ def _context(args, model) -> int:
 
 def _start_compile_cache(args):
     """Turn the compile cache on (before anything compiles) and print where it is; None when off."""
-    from zoo.engine.compile_cache import CompileCounter, compile_cache_dir, use_compile_cache
+    from zoo.engine.compile_cache import CompileCounter, compile_cache_dir, trust_compile_cache, use_compile_cache
 
     directory = compile_cache_dir(args.compile_cache, not args.use_compile_cache)
+    if args.trust_compile_cache is not None:
+        if directory is None:
+            raise SystemExit("zoo serve: --trust-compile-cache needs the compile cache (not --no-compile-cache)")
+        print(f"[zoo] {trust_compile_cache(args.trust_compile_cache, directory)}", file=sys.stderr, flush=True)
     if directory is not None:
         print(f"[zoo] {use_compile_cache(directory).note}", file=sys.stderr, flush=True)
     return CompileCounter()

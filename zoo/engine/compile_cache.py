@@ -2,6 +2,7 @@
 
     use_compile_cache(directory) -> CompileCache     turn it on (before the first compile), say where
     compile_cache_dir(flag, disabled)                 which directory a command should use (or None)
+    trust_compile_cache(source, directory)            copy programs the user vouches for into it
     CompileCounter()                                  programs compiled / loaded from the cache since made
 
 A compiled program written to the cache is reused by a later process when everything JAX keys an
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +94,24 @@ def use_compile_cache(directory: str | os.PathLike) -> CompileCache:
     except OSError as e:                      # a read-only cache still serves its entries
         log.warning("could not write %s: %s", stamp, e)
     return CompileCache(path, note)
+
+
+def trust_compile_cache(source: str | os.PathLike, directory: str | os.PathLike) -> str:
+    """Copy the entries of ``source`` (a compile cache the user named, e.g. published with their
+    weights: ``zoo cache push --compile-cache``) that ``directory`` lacks into it; the source may be
+    read-only (a Kaggle dataset). Returns one line saying what was copied from where."""
+    src, dst = Path(source).expanduser().resolve(), Path(directory).expanduser().resolve()
+    if not src.is_dir():
+        raise FileNotFoundError(f"--trust-compile-cache: {src} is not a directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = 0
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name != VERSION_FILE and not (dst / f.name).exists():
+            tmp = dst / f".{f.name}.{os.getpid()}.tmp"
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, dst / f.name)
+            copied += 1
+    return f"compile cache: {copied} programs copied from {src} (trusted: you named it) into {dst}"
 
 
 class CompileCounter:

@@ -55,6 +55,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 import zlib
@@ -584,15 +585,39 @@ def restore(entry: Path, mesh=None, dtype=None):
 
 
 # -- Kaggle datasets ---------------------------------------------------------------------------------
-def push(entry: str | Path, dataset: str, notes: str = "") -> None:
-    """Upload a cache entry as (a new version of) the Kaggle dataset ``OWNER/NAME``."""
+def push(entry: str | Path, dataset: str, notes: str = "", compile_cache: str | Path | None = None) -> None:
+    """Upload a cache entry as (a new version of) the Kaggle dataset ``OWNER/NAME``; with
+    ``compile_cache`` (a directory of compiled programs, ``zoo.engine.compile_cache``) the dataset
+    holds the entry in a folder of its name and the programs in ``compile-cache/`` (a session that
+    attaches it restores both: ``zoo serve --cache ... --trust-compile-cache DATASET/compile-cache``)."""
     import kagglehub
 
     entry = Path(entry)
     read_manifest(entry)                      # only complete entries are published
     if dataset.count("/") != 1:
         raise ValueError(f"dataset must be OWNER/NAME, got {dataset!r}")
-    kagglehub.dataset_upload(dataset, str(entry), version_notes=notes or f"zoo cache {entry.name}")
+    notes = notes or f"zoo cache {entry.name}"
+    if compile_cache is None:
+        kagglehub.dataset_upload(dataset, str(entry), version_notes=notes)
+        return
+    programs = Path(compile_cache)
+    if not programs.is_dir():
+        raise ValueError(f"compile cache {programs} is not a directory")
+    with tempfile.TemporaryDirectory(prefix="zoo-push-") as staged:    # links, not copies
+        _link_tree(entry, Path(staged) / entry.name)
+        _link_tree(programs, Path(staged) / "compile-cache")
+        kagglehub.dataset_upload(dataset, staged, version_notes=notes + " (with its compiled programs)")
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for f in src.rglob("*"):
+        if f.is_file():
+            target = dst / f.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, target)
+            except OSError:                   # another file system
+                shutil.copyfile(f, target)
 
 
 def pull(dataset: str, dest: str | Path | None = None) -> Path:
