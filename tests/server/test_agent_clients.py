@@ -44,7 +44,7 @@ CLIENT_TIMEOUT_S = 1500         # a long prompt's prefill on a slow, shared CPU
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = scripted_model(tmp_path_factory.mktemp("agent-ckpt"), QWEN_TEMPLATE, [SCRIPT], context=CONTEXT)
-    app = create_app(model, api_key=KEY, model_name=MODEL, max_batch=2, prefill_chunk=4096,
+    app = create_app(model, api_key=KEY, model_name=MODEL, max_batch=2, prefill_chunk=4096, context=CONTEXT,
                      queue_timeout_s=CLIENT_TIMEOUT_S)
     recorder = RecordRequests(app)
     with ServerThread(recorder) as s:

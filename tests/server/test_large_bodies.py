@@ -29,7 +29,7 @@ def anthropic_body(text: str) -> dict:
 @pytest.fixture(scope="module")
 def small_context(tmp_path_factory):
     model = scripted_model(tmp_path_factory.mktemp("small-ctx"), QWEN_TEMPLATE, ["ok"])
-    with ServerThread(create_app(model, api_key=KEY, model_name="small")) as s:
+    with ServerThread(create_app(model, api_key=KEY, model_name="small", context=32768, max_batch=1)) as s:
         yield s
 
 
@@ -38,7 +38,7 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(
     with httpx.Client(base_url=small_context.url, headers=HEADERS, timeout=60) as c:
         r = c.post("/v1/chat/completions", json=chat_body(text))
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert "characters, more than the model's context of 32768 tokens can hold" in r.json()["error"]["message"]
+        assert "characters, more than the server's context of 32768 tokens can hold" in r.json()["error"]["message"]
         r = c.post("/v1/messages", json=anthropic_body(text))
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         assert "characters" in r.json()["error"]["message"]
@@ -73,13 +73,13 @@ def test_prompts_are_rendered_and_tokenized_off_the_event_loop(tmp_path_factory)
     text = "lorem ipsum dolor sit amet, " * 75_000                 # 2.1M characters
     mid = "lorem ipsum " * 1000                                     # 12k characters, ~5k tokens
     small = {"role": "user", "content": mid}
-    with ServerThread(create_app(model, api_key=KEY, model_name="big")) as s, \
+    with ServerThread(create_app(model, api_key=KEY, model_name="big", context=2**18, max_batch=2)) as s, \
             httpx.Client(base_url=s.url, headers=HEADERS, timeout=120) as c:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             big = [pool.submit(c.post, "/v1/chat/completions", json=chat_body(text)),
                    pool.submit(c.post, "/v1/messages", json=anthropic_body(text))]
             for r in [f.result() for f in big]:
-                assert r.status_code == 400 and "tokens; the model's context is 262144" in r.text
+                assert r.status_code == 400 and "tokens; the server's context is 262144" in r.text
         for path, body in [("/v1/chat/completions", chat_body(mid)), ("/v1/messages", anthropic_body(mid)),
                            ("/v1/messages/count_tokens", {"model": "m", "messages": [small]}),
                            ("/v1/completions", {"model": "m", "prompt": mid, "max_tokens": 2}),

@@ -18,8 +18,9 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 @pytest.fixture(scope="module")
 def server():
     model = zoo.load("qwen38-tiny", dtype="float32")
-    with ServerThread(create_app(model, api_key=KEY, model_name="tiny")) as s:
-        s.model = model
+    app = create_app(model, api_key=KEY, model_name="tiny")
+    with ServerThread(app) as s:
+        s.model, s.context = model, app.state.service.engine.generator.context
         yield s
 
 
@@ -34,7 +35,7 @@ def test_tokenize_text_and_detokenize(server):
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["tokens"] == tok.encode(text) and out["count"] == len(out["tokens"])
-    assert out["max_model_len"] == server.model.config.max_position_embeddings
+    assert out["max_model_len"] == server.context           # the server's context (its engine's)
     assert out["token_strs"][-1] == "<|im_end|>" and any(s.startswith("bytes:\\x") for s in out["token_strs"])
     back = post(server, "/detokenize", {"model": "tiny", "tokens": out["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": text}
