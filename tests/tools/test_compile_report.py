@@ -40,7 +40,9 @@ def test_quantized_tiny_models_compile_for_v5e_8(name):
                                 prefill_chunk=64)
     assert report["chips"] == 8 and report["usable_hbm"] == int(15.75 * 2**30) and report["ok"]
     names = [p["name"] for p in report["programs"]]
-    assert names == ["decode B=2 L=256", "decode B=2 L=256 MTP k=2", "prefill chunk=64 L=256 + MTP rows"]
+    # the server's program set: 256 tokens of context hold 512 slots (a piece's padding), both prefill widths
+    assert names == ["decode B=2 L=512", "decode B=2 L=512 MTP k=2", "prefill width=64 L=512 + MTP rows",
+                     "prefill width=16 L=512 + MTP rows"]
     for program in report["programs"]:
         assert program["pallas_calls"] > 0 and program["fits"]
         # the batch state / the prefill row is donated: the outputs beyond it are the logits and tokens
@@ -54,7 +56,7 @@ def test_quantized_tiny_models_compile_for_v5e_8(name):
     plain, spec = report["programs"][:2]
     assert spec["roofline"]["must_read"]["mtp"] > 0 == plain["roofline"]["must_read"]["mtp"]
     text = aot.table(report)
-    assert "decode B=2 L=256 MTP k=2" in text and "roofline per chip" in text
+    assert "decode B=2 L=512 MTP k=2" in text and "roofline per chip" in text
 
 
 @pytest.mark.parametrize("quant", ["UD-IQ3_XXS", "int8"])
@@ -80,8 +82,9 @@ def test_cli_defaults_and_errors(capsys):
     assert main(["compile", "qwen38-tiny", "--quant", "int8", "--context", "128", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["target"] == "v5e-8" and doc["spec_tokens"] == 3 and doc["prefill_chunk"] == 128 and doc["ok"]
-    assert [p["name"] for p in doc["programs"]] == [          # the largest chunk the 128-slot cache holds
-        "decode B=3 L=128", "decode B=3 L=128 MTP k=3", "prefill chunk=128 L=128 + MTP rows"]
+    assert [p["name"] for p in doc["programs"]] == [          # the largest chunk the 128-token context holds
+        "decode B=3 L=256", "decode B=3 L=256 MTP k=3", "prefill width=128 L=256 + MTP rows",
+        "prefill width=16 L=256 + MTP rows"]
     too_long = aot.compile_report("qwen38-tiny", quant="int8", batch=32, context=2**24, programs=("decode",))
     decode = too_long["programs"][0]                 # 32 rows x 16M slots: the compiler says it needs more
     assert decode["fits"] is False and decode["required"] > decode["usable"] and "CompileTimeHbmOom" in decode["error"]
@@ -98,7 +101,7 @@ def test_prefill_chunk_from_the_memory_left():
     """A margin no chunk leaves: every chunk size is tried, largest first, and none is chosen."""
     report = aot.compile_report("qwen38-tiny", quant="int8", context=1024, prefill_chunk=None,
                                 programs=("prefill",), min_margin=16 * 2**30)
-    assert [p["name"] for p in report["programs"]] == [f"prefill chunk={c} L=1024" for c in aot.PREFILL_CHUNKS]
+    assert [p["name"] for p in report["programs"]] == [f"prefill width={c} L=1280" for c in aot.PREFILL_CHUNKS]
     assert all(p["rejected"] for p in report["programs"]) and report["prefill_chunk"] is None and not report["ok"]
     assert "(chunk not chosen)" in aot.table(report)
 
@@ -108,7 +111,7 @@ def test_largest_batch_is_bracketed_by_the_compiler():
     found = aot.largest_batch("qwen38-tiny", quant="int8", context=2**21, min_margin=2**30)
     assert found["batch"] >= 1 and found["margin"] >= 2**30
     assert found["next_margin"] is not None and found["next_margin"] < 2**30
-    assert found["program"] == f"decode B={found['batch']} L={2**21}"
+    assert found["program"] == f"decode B={found['batch']} L={2**21 + 256}"
 
 
 def test_roofline_arithmetic():

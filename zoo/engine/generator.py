@@ -138,8 +138,10 @@ class Generator:
         self.prefill_small = max(PREFILL_MIN, prefill_chunk // 16)
         positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
         self.context = int(context or min(DEFAULT_CONTEXT, positions))
-        if not 0 < self.context <= positions:
-            raise ValueError(f"context must be 1..{positions} (the model's positions), got {self.context}")
+        if self.context < 1:
+            raise ValueError(f"context must be >= 1, got {self.context}")
+        if self.context > positions:
+            log.warning("a context of %d tokens is past the model's %d positions", self.context, positions)
         self.memory_budget = memory_budget or default_memory_budget()
         self._graphdef, self._state = nnx.split(model.module)
         eos = set(getattr(model.config, "eos_token_id", ()) or ())
