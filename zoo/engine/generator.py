@@ -25,6 +25,9 @@ cache of L slots, in pieces that end at every multiple of ``prefill_chunk`` toke
 the chunk a target's memory leaves room for. The index advances by the real tokens only, so a row
 is compact (slot s holds position s). Then it is placed into a free row; a request waits while
 every row is busy. A request whose prompt and ``max_new_tokens`` exceed the context is refused.
+Prefill is interleaved with decoding (``zoo.engine.fill``): a step runs at most ``prefill_chunk``
+tokens of pieces before its decode step while rows are decoding, so a long prompt delays the
+running streams by one chunk per token, never by its whole prefill.
 
 Prefix caching (``zoo.engine.prefix_cache``): a request starts from the longest cached prefix of its
 prompt with a state snapshot at its end (``_lookup``, ``PrefixRows.restore``) and prefills the rest; every
@@ -87,6 +90,7 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 from zoo.engine import speculative
 from zoo.engine.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
+from zoo.engine.fill import Fill, piece_inputs, plan_pieces, round_up
 from zoo.engine.image_prefill import ImagePrefill, cache_tokens, check_images, multimodal
 from zoo.engine.logprobs import TokenLogprob, maybe_token_logprobs, records, to_numpy
 from zoo.engine.masked_step import MaskedPrograms, pick_next
@@ -107,10 +111,6 @@ PREFILL_MIN = 16
 CACHE_BUCKET = 256
 PREFIX_BLOCK = 256     # tokens per prefix-cache block (zoo.engine.prefix_cache)
 DEFAULT_CONTEXT = 4096     # tokens per request when none is given (capped by the model's positions)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 class Generator:
@@ -136,6 +136,7 @@ class Generator:
             raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.prefill_small = max(PREFILL_MIN, prefill_chunk // 16)
+        self.prefill_budget: int | None = prefill_chunk     # prefill tokens a step runs while rows decode
         positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
         self.context = int(context or min(DEFAULT_CONTEXT, positions))
         if self.context < 1:
@@ -152,11 +153,12 @@ class Generator:
         self._wakeup = threading.Event()
         self._waiting: collections.deque[Request] = collections.deque()
         self._cache_bytes: dict[tuple[int, int], int] = {}
-        self._L = _round_up(self.context + max(self.prefill_small, self.k + 1), CACHE_BUCKET)
+        self._L = round_up(self.context + max(self.prefill_small, self.k + 1), CACHE_BUCKET)
         self._B = self._fit_rows(max_batch)
         self.max_batch = self._B
         self._rows: list[Request | None] = [None] * self._B
         self._batch = None                                  # made on first use (``_ensure_batch``)
+        self._fill: Fill | None = None                      # the prompt being prefilled (``zoo.engine.fill``)
         self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
         self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,))
         self._place_fn = jax.jit(functools.partial(place, k=self.k), donate_argnums=(0,))
@@ -174,6 +176,7 @@ class Generator:
         self._executor = None                               # llguidance's thread pool, made on first use
         self._init_prefix_cache(prefix_cache, prefix_cache_host_gb, prefix_block)
         self.prefills = 0                                   # prompts prefilled (a request's choices share one)
+        self.prefill_tokens = 0                             # prefill piece widths run (padding included)
         self.steps = 0                                      # decode steps run
         self.faults = {"failed_requests": 0, "failed_steps": 0, "last_error": None}   # see ``step``
         self.on_step_failure = None     # called with the error before a failed step fails its requests
@@ -414,21 +417,9 @@ class Generator:
         return self._cache_bytes[rows, length]
 
     def _plan(self, start: int, n: int, marks=()) -> list[tuple[int, int, int, bool]]:
-        """The prefill pieces of prompt tokens ``start .. n-1``: ``(first, end, width, snapshot)``.
-        Snapshot points: every multiple of ``prefill_chunk`` (shared by other prompts), each of
-        ``marks``, and ``n``. Between two, pieces of the chunk's width while more than
-        ``prefill_small`` tokens remain (and the chunk fits the row's slots), then of the small
-        width; each right-padded. Only the ``prefill_widths`` are ever compiled."""
-        chunk, small = self.prefill_chunk, self.prefill_small
-        ends = sorted(set(range(_round_up(start + 1, chunk), n, chunk)) | {m for m in marks if start < m < n} | {n})
-        pieces, a = [], start
-        for end in ends:
-            while a < end:
-                width = chunk if end - a > small and a + chunk <= self._L else small
-                e = min(end, a + width)
-                pieces.append((a, e, width, e == end))
-                a = e
-        return pieces
+        """The prefill pieces of prompt tokens ``start .. n-1`` (``fill.plan_pieces`` with this
+        engine's two widths and slots): only the ``prefill_widths`` are ever compiled."""
+        return plan_pieces(start, n, self.prefill_chunk, self.prefill_small, self._L, marks)
 
     def _check_length(self, n: int, options: RequestOptions) -> None:
         """``ValueError`` when a prompt of ``n`` tokens and ``options.max_new_tokens`` exceed the context."""
@@ -452,8 +443,9 @@ class Generator:
         return req.cache_tokens
 
     def _try_admit(self, req: Request) -> bool:
-        """Give ``req`` (and its forks) free rows and prefill it; False if it must wait for rows to free.
-        The prefix cache's device tier keeps within what the batch leaves of the budget."""
+        """Give ``req`` (and its forks) free rows and start its prefill (``_begin_fill``); False if it
+        must wait for rows to free. The prefix cache's device tier keeps within what the batch leaves
+        of the budget."""
         group = [req] + req.forks
         if len(group) > self._B:
             raise MemoryError(f"{len(group)} choices need {len(group)} batch rows; the engine has {self._B}")
@@ -473,7 +465,7 @@ class Generator:
             self._rows[at[-1]] = member
             if member.on_admit is not None:
                 member.on_admit(member)
-        self._prefill_into(group, at)
+        self._fill = self._begin_fill(group, at)
         return True
 
     def _snapshot(self, tokens: list[int], row) -> None:
@@ -482,14 +474,12 @@ class Generator:
         self._rows_io.store(tokens, row)
         self.prefix.fit_device(self.memory_budget - self._state_bytes())
 
-    def _prefill_into(self, group: list[Request], at: list[int]) -> None:
-        """Prefill the shared prompt of ``group`` once (from its cached prefix, if any, then in pieces
-        that end at snapshot points, each cached); each member samples its first token and gets a
-        copy of the row at its index in ``at``."""
+    def _begin_fill(self, group: list[Request], at: list[int]) -> Fill:
+        """The prefill of ``group``'s shared prompt, ready for its first piece: from its cached
+        prefix, if any (restored here), then in pieces that end at snapshot points, each cached."""
         req = group[0]
         self.prefills += 1
-        t0 = time.perf_counter()
-        n = len(req.prompt)
+        n, opts = len(req.prompt), req.options
         cache = self._empty_fn(1, self._L)["cache"]
         h_prev = self._h_zero()
         snap = req.prefix_hit
@@ -498,50 +488,57 @@ class Generator:
             cache, hidden = self._rows_io.restore(snap, cache)
             if hidden is not None:
                 h_prev = self._replicated(hidden)
-        opts = req.options
         if self.prefix is not None and opts.prompt_logprobs is None and n >= 2:
             self.prefix.stats.hits += snap is not None
             self.prefix.stats.hit_tokens += start
             self.prefix.stats.miss_tokens += n - start
-        want = opts.prompt_logprobs is not None
-        scored = []                                   # per piece: logprobs of the token after each position
-        prompt = np.asarray(req.prompt, np.int32)
         images = None if not req.images else self._images.start(self._state, req, start)
-        for a, e, w, snapshot in self._plan(start, n, opts.cache_marks):
-            mm = None if images is None else self._images.piece(images, a, e, w)   # text: the same program
-            out = self._prefill_piece(prompt, a, e, w, cache, h_prev, want, mm)
-            logits, h_prev, cache = out[:3]
-            if want:
-                scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
-            if self.prefix is not None and snapshot:
-                self._snapshot(self._key(req)[:e], lambda c=cache, h=h_prev: (c, h if self.k else None))
-        prompt_lps = None
+        return Fill(group, at, self._plan(start, n, opts.cache_marks), cache, h_prev, start, images)
+
+    def _fill_piece(self, f: Fill) -> int:
+        """Run ``f``'s next piece (and cache its snapshot); returns the piece's width."""
+        req = f.request
+        a, e, w, snapshot = f.pieces[f.next]
+        want = req.options.prompt_logprobs is not None
+        mm = None if f.images is None else self._images.piece(f.images, a, e, w)   # text: the same program
+        out = self._prefill_piece(np.asarray(req.prompt, np.int32), a, e, w, f.cache, f.h_prev, want, mm)
+        f.logits, f.h_prev, f.cache = out[:3]
+        f.next += 1
+        self.prefill_tokens += w
         if want:
-            at_pos = {key: np.concatenate([s[key] for s in scored])[:n - 1] for key in scored[0]}
-            prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, opts.prompt_logprobs)
-        for member, r in zip(group, at):
-            member.prompt_token_logprobs = prompt_lps
-            member.stats.update(prompt_tokens=n, cached_tokens=start, drafted=0, accepted=0,
-                                accepted_by_position=[0] * self.k, steps=0)
-            if opts.max_new_tokens == 0:              # prompt logprobs only: no row kept
-                member.stats["time_to_first_token"] = time.perf_counter() - t0
-                self._finish(member, "length")
-                continue
-            self._start_row(member, r, logits, h_prev, cache)
-            member.stats["time_to_first_token"] = time.perf_counter() - t0
+            f.scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
+        if self.prefix is not None and snapshot:
+            self._snapshot(self._key(req)[:e], lambda c=f.cache, h=f.h_prev: (c, h if self.k else None))
+        return w
 
     def _prefill_piece(self, prompt: np.ndarray, a: int, e: int, w: int, cache, h_prev, want: bool, mm=None):
-        """Prompt tokens ``a .. e-1`` of ``prompt`` (n tokens) as one piece of width ``w`` into the
-        one-row ``cache``; returns what ``_prefill_impl`` returns."""
-        n = len(prompt)
-        ids = np.zeros((1, w), np.int32)
-        mask = np.zeros((1, w), bool)
-        nxt = np.zeros((1, w), np.int32)
-        ids[0, :e - a], mask[0, :e - a] = prompt[a:e], True
-        nxt[0, :max(0, min(e, n - 1) - a)] = prompt[a + 1:e + 1]
-        nxt_mask = mask & (np.arange(a, a + w) < n - 1)[None]
+        """Prompt tokens ``a .. e-1`` of ``prompt`` as one piece of width ``w`` into the one-row
+        ``cache`` (donated); returns what ``_prefill_impl`` returns."""
+        ids, mask, nxt, nxt_mask = piece_inputs(prompt, a, e, w)
         extra = {} if mm is None else {"mm": mm}
         return self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, np.bool_(want), **extra)
+
+    def _end_fill(self, f: Fill) -> None:
+        """``f``'s prompt is prefilled: each choice still wanted samples its first token and gets a
+        copy of the row at its index in ``f.at`` (``_start_row``)."""
+        req, opts = f.request, f.request.options
+        n = len(req.prompt)
+        prompt_lps = None
+        if opts.prompt_logprobs is not None:
+            at_pos = {key: np.concatenate([s[key] for s in f.scored])[:n - 1] for key in f.scored[0]}
+            prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, opts.prompt_logprobs)
+        for member, r in zip(f.group, f.at):
+            if member.finish_reason is not None:      # cancelled while its prompt was prefilled
+                continue
+            member.prompt_token_logprobs = prompt_lps
+            member.stats.update(prompt_tokens=n, cached_tokens=f.start, drafted=0, accepted=0,
+                                accepted_by_position=[0] * self.k, steps=0)
+            if opts.max_new_tokens == 0:              # prompt logprobs only: no row kept
+                member.stats["time_to_first_token"] = time.perf_counter() - f.t0
+                self._finish(member, "length")
+                continue
+            self._start_row(member, r, f.logits, f.h_prev, f.cache)
+            member.stats["time_to_first_token"] = time.perf_counter() - f.t0
 
     def _replicated(self, x):
         """``x`` as the one kind of array a program sees for it, wherever it came from (a program's
@@ -615,7 +612,8 @@ class Generator:
         return bool(self._waiting) or any(self._rows)
 
     def step(self) -> bool:
-        """Admit waiting requests, then run one decode step for every active row. False if idle.
+        """Prefill waiting prompts (at most a chunk's worth while rows are decoding:
+        ``_prefill_waiting``), then run one decode step for every decoding row. False if idle.
 
         Faults stay with the request they belong to: an exception while admitting or prefilling a
         request, or while handling its tokens, and a row whose logits are not finite, fail that
@@ -624,16 +622,17 @@ class Generator:
         for r, req in enumerate(self._rows):
             if req is not None and req.cancelled:
                 self._finish(req, "cancelled")
-        self._admit_waiting()
-        active = np.array([r is not None for r in self._rows], bool)
+        self._prefill_waiting()
+        active = self._decoding()
         if not active.any():
-            return bool(self._waiting)
-        force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in self._rows], np.int32)
-        cap = np.array([self._room(r) if r is not None else 1 for r in self._rows], np.int32)
-        want = any(r is not None and r.options.logprobs is not None for r in self._rows)
+            return bool(self._waiting) or self._fill is not None
+        rows = [req if on else None for req, on in zip(self._rows, active)]
+        force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in rows], np.int32)
+        cap = np.array([self._room(r) if r is not None else 1 for r in rows], np.int32)
+        want = any(r is not None and r.options.logprobs is not None for r in rows)
         self.steps += 1
         try:
-            if any(r is not None and r.constraint is not None for r in self._rows):
+            if any(r is not None and r.constraint is not None for r in rows):
                 out = self._masked_step(active, force, cap, np.bool_(want))
             else:
                 out = self._step_fn(self._state, self._batch, active, force, cap, np.bool_(want))
@@ -643,8 +642,8 @@ class Generator:
         except Exception as e:
             self._fail_batch(e)
             return True
-        for r, req in enumerate(self._rows):
-            if req is None:
+        for r, req in enumerate(rows):
+            if req is None or req.finish_reason is not None:
                 continue
             try:
                 if counts[r] < 0:
@@ -655,33 +654,71 @@ class Generator:
                 self._fail(req, e)
         return True
 
-    def _admit_waiting(self) -> None:
-        """Admit waiting requests in order while rows and memory allow (see ``step`` on faults)."""
-        while self._waiting:
-            with self._lock:
-                req = self._waiting[0]
-            group = [req] + req.forks
-            if all(m.cancelled for m in group):
-                with self._lock:
-                    self._waiting.popleft()
-                for m in group:
-                    self._finish(m, "cancelled")
+    def _decoding(self) -> np.ndarray:
+        """[B] bool: the rows a decode step runs (held by a request whose prompt is prefilled)."""
+        filling = () if self._fill is None else self._fill.at
+        return np.array([req is not None and r not in filling for r, req in enumerate(self._rows)], bool)
+
+    def _prefill_waiting(self) -> None:
+        """Prefill waiting prompts, in order, while rows and memory allow: at most ``prefill_budget``
+        tokens of pieces (one piece at least; the chunk by default) when some row is decoding, so its
+        stream waits one chunk at most; all of them when none is, or when the budget is None (whole
+        prompts before the next step: more throughput, long stalls; see ``zoo.engine.fill``)."""
+        budget = self.prefill_budget if self._decoding().any() else None
+        spent = 0
+        while budget is None or spent < budget:
+            if self._fill is None and not self._admit_next():
+                return
+            f = self._fill
+            if f is None:                   # the next request was refused, cancelled or failed: go on
+                continue
+            if not f.live:                  # every choice cancelled meanwhile
+                self._fill = None
                 continue
             try:
-                admitted = self._try_admit(req)
+                spent += self._fill_piece(f)
+                if f.done:
+                    self._fill = None
+                    self._end_fill(f)
             except Exception as e:
-                with self._lock:
-                    self._waiting.popleft()
-                if self._batch is not None and any(x.is_deleted() for x in jax.tree.leaves(self._batch)):
-                    self._fail_batch(e, group)      # a device program failed holding the batch
-                    continue
-                for m in group:                     # MemoryError: it can never fit (400); else 500
-                    self._fail(m, e, status=400 if isinstance(e, MemoryError) else 500)
-                continue
-            if not admitted:
-                break
+                self._fill = None
+                self._fail_admission(f.group, e)
+
+    def _admit_next(self) -> bool:
+        """Admit the first waiting request (start its fill); False if none waits or it must wait
+        for rows. A request that cannot be admitted fails (see ``step`` on faults)."""
+        if not self._waiting:
+            return False
+        with self._lock:
+            req = self._waiting[0]
+        group = [req] + req.forks
+        if all(m.cancelled for m in group):
             with self._lock:
                 self._waiting.popleft()
+            for m in group:
+                self._finish(m, "cancelled")
+            return True
+        try:
+            if not self._try_admit(req):
+                return False
+        except Exception as e:
+            self._fill = None
+            with self._lock:
+                self._waiting.popleft()
+            self._fail_admission(group, e)
+            return True
+        with self._lock:
+            self._waiting.popleft()
+        return True
+
+    def _fail_admission(self, group: list[Request], e: BaseException) -> None:
+        """Admitting or prefilling ``group`` raised ``e``: a device program that failed holding the
+        batch fails the batch; else the group fails (``MemoryError``: it can never fit, 400; else 500)."""
+        if self._batch is not None and any(x.is_deleted() for x in jax.tree.leaves(self._batch)):
+            self._fail_batch(e, group)
+            return
+        for m in group:
+            self._fail(m, e, status=400 if isinstance(e, MemoryError) else 500)
 
     def _take_step(self, req: Request, new: list[int], scored: dict | None, forced: bool) -> None:
         """Record one step's tokens ``new`` of ``req`` (``scored``: their logprob leaves) and deliver them."""
@@ -720,7 +757,7 @@ class Generator:
         self.faults["failed_steps"] += 1
         for req in [r for r in self._rows if r is not None] + [m for m in also if m not in self._rows]:
             self._fail(req, e, logged=True)
-        self._rows, self._batch = [None] * self._B, None
+        self._rows, self._batch, self._fill = [None] * self._B, None, None
 
     def _masked_step(self, active, force, cap, want):
         """The step split around the host's token bitmasks (``zoo.engine.masked_step``); returns
@@ -741,8 +778,9 @@ class Generator:
         """Each constrained row's masks into ``masks`` [B, T, W] (the others stay all-allowed): one
         position from the matcher's state (in parallel over rows), or with ``drafts`` [B, k] one
         per verify position."""
+        decoding = self._decoding()
         rows = [(r, req.constraint) for r, req in enumerate(self._rows)
-                if req is not None and req.constraint is not None and not req.forcing]
+                if decoding[r] and req.constraint is not None and not req.forcing]
         if drafts is not None:
             for r, c in rows:
                 c.fill(masks[r], drafts[r])

@@ -1,0 +1,118 @@
+"""Prefill interleaved with decoding (``zoo.engine.fill``): a long prompt that arrives while a stream
+decodes is prefilled one chunk per step, and the stream gets its tokens at every one of those steps.
+
+- Exactness: every request's greedy tokens, logprobs and prompt logprobs equal the same request run
+  alone, for both tiny models, plain and MTP, with and without prefix-cache hits, with choices.
+- Fairness, counted (not timed): while the long prompt fills, each step runs at most one chunk of
+  prefill pieces and the running stream gets a token at that step.
+- A request cancelled while its prompt fills ends "cancelled" and frees its rows; the others go on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import zoo
+from zoo.engine.generator import Generator
+from zoo.engine.prefix_cache import PrefixCache
+
+CHUNK = 64                  # the prefill chunk (its small width: 16)
+MODELS = ("qwen38-tiny", "glm53-tiny")
+SHORT = [5, 17, 200, 33, 8, 91, 4]
+LONG = [(7 * i + 3) % 230 + 10 for i in range(300)]    # 300 tokens: 4 chunks and small pieces
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: zoo.load(name, dtype="float32") for name in MODELS}
+
+
+def engine(model, k: int, prefix: bool = False) -> Generator:
+    cache = PrefixCache(2**30, 2**30, 64) if prefix else 0
+    gen = Generator(model, spec_tokens=k, max_batch=4, context=1024, prefill_chunk=CHUNK, prefix_cache=cache)
+    gen.eos_token_ids = frozenset()          # the stream runs its full length (it must outlast the prefill)
+    return gen
+
+
+def alone(model, k: int, prompt, **options):
+    return engine(model, k).generate([prompt], **options)[0]
+
+
+def same(got, want) -> None:
+    """The same tokens and finish, and the same logprobs (ids exactly, values to float32 rounding)."""
+    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
+    for a, b in ((got.logprobs, want.logprobs), (got.prompt_logprobs, want.prompt_logprobs)):
+        assert (a is None) == (b is None) and len(a or ()) == len(b or ())
+        for x, y in zip(a or (), b or ()):
+            assert x.token == y.token and [i for i, _ in x.top] == [i for i, _ in y.top]
+            assert (x.logprob is None) == (y.logprob is None)
+            if x.logprob is not None:
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
+                assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-5)
+
+
+def run_while_streaming(gen: Generator, stream_opts: dict, long_prompt, long_opts: dict, after: int = 3):
+    """Start a stream of SHORT, let it take ``after`` steps, submit ``long_prompt``; step to the end.
+    Returns (stream, long request, per step while the long prompt fills: (prefill tokens that step,
+    tokens the stream got that step))."""
+    stream = gen.submit(gen.make_request(SHORT, **stream_opts))
+    for _ in range(after):
+        gen.step()
+    long = gen.submit(gen.make_request(long_prompt, **long_opts))
+    filling = []
+    while True:
+        tokens, prefilled = len(stream.tokens), gen.prefill_tokens
+        gen.step()
+        filling.append((gen.prefill_tokens - prefilled, len(stream.tokens) - tokens))
+        if long.raw or long.done.is_set():       # its prompt is prefilled: the rest is plain decoding
+            break
+    while not (stream.done.is_set() and all(m.done.is_set() for m in [long] + long.forks)):
+        gen.step()
+    return stream, long, filling
+
+
+@pytest.mark.parametrize("which,k", [(m, k) for m in MODELS for k in (0, 2)])
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_and_every_output_is_exact(models, which, k):
+    model = models[which]
+    stream_opts = dict(max_new_tokens=24, logprobs=2)
+    long_opts = dict(max_new_tokens=8, logprobs=1, prompt_logprobs=1)
+    stream, long, filling = run_while_streaming(engine(model, k), stream_opts, LONG, long_opts)
+    same(stream.result(), alone(model, k, SHORT, **stream_opts))
+    same(long.result(), alone(model, k, LONG, **long_opts))
+    assert len(filling) >= -(-len(LONG) // CHUNK) - 1        # the prompt took several steps, not one
+    assert all(0 < spent <= CHUNK for spent, _ in filling)    # one chunk at most per step
+    assert all(got >= 1 for _, got in filling)                 # the stream got tokens at each of them
+
+
+@pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("glm53-tiny", 2)])
+def test_prefix_hits_and_choices_while_streaming_are_exact(models, which, k):
+    model = models[which]
+    gen = engine(model, k, prefix=True)
+    first = gen.generate([LONG[:200]], max_new_tokens=4)[0]
+    turn = LONG[:200] + first.tokens + LONG[200:]                # a second turn: its first 192 tokens are cached
+    opts = dict(max_new_tokens=6, n=2, temperature=1.0, seed=7)
+    stream, long, _ = run_while_streaming(gen, dict(max_new_tokens=20), turn, opts)
+    assert long.stats["cached_tokens"] >= 192
+    want = engine(model, k).generate([turn], **opts)
+    for got, ref in zip([long] + long.forks, want):
+        same(got.result(), ref)
+    same(stream.result(), alone(model, k, SHORT, max_new_tokens=20))
+
+
+def test_cancelled_while_its_prompt_fills(models):
+    model = models["qwen38-tiny"]
+    gen = engine(model, 0)
+    stream = gen.submit(gen.make_request(SHORT, max_new_tokens=30))
+    gen.step()
+    long = gen.submit(gen.make_request(LONG, max_new_tokens=8, n=2))
+    gen.step()
+    assert not long.raw and sum(r is not None for r in gen._rows) == 3      # its rows held, not decoded
+    gen.cancel(long)
+    gen.cancel(long.forks[0])
+    nxt = gen.submit(gen.make_request(SHORT[:3], max_new_tokens=5))
+    while not (stream.done.is_set() and nxt.done.is_set()):
+        gen.step()
+    assert long.finish_reason == long.forks[0].finish_reason == "cancelled" and not long.tokens
+    assert gen._fill is None and all(r is None for r in gen._rows)
+    same(stream.result(), alone(model, 0, SHORT, max_new_tokens=30))
+    same(nxt.result(), alone(model, 0, SHORT[:3], max_new_tokens=5))
