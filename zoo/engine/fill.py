@@ -58,10 +58,10 @@ def piece_inputs(prompt: np.ndarray, a: int, e: int, w: int) -> tuple[np.ndarray
 @dataclass(eq=False)
 class Fill:
     """One prompt's prefill in progress: the choices ``group`` that share it (``group[0]`` holds the
-    prompt and options), the batch rows ``at`` they hold meanwhile (not decoded), the ``pieces`` left
-    from ``next``, and what the next piece continues from: the one-row ``cache``, the previous
-    piece's last hidden state ``h_prev`` and logits, the prompt logprobs ``scored`` so far, the
-    image inputs ``images``."""
+    prompt and options; ``prompt``: its ids as an int32 array, made once), the batch rows ``at``
+    they hold meanwhile (not decoded), the ``pieces`` left from ``next``, and what the next piece
+    continues from: the one-row ``cache``, the previous piece's last hidden state ``h_prev`` and
+    logits, the prompt logprobs ``scored`` so far, the image inputs ``images``."""
 
     group: list[Request]
     at: list[int]
@@ -74,6 +74,10 @@ class Fill:
     next: int = 0
     scored: list = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
+    prompt: np.ndarray = field(init=False)
+
+    def __post_init__(self):
+        self.prompt = np.asarray(self.group[0].prompt, np.int32)
 
     @property
     def request(self) -> Request:

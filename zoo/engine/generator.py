@@ -501,7 +501,7 @@ class Generator:
         a, e, w, snapshot = f.pieces[f.next]
         want = req.options.prompt_logprobs is not None
         mm = None if f.images is None else self._images.piece(f.images, a, e, w)   # text: the same program
-        out = self._prefill_piece(np.asarray(req.prompt, np.int32), a, e, w, f.cache, f.h_prev, want, mm)
+        out = self._prefill_piece(f.prompt, a, e, w, f.cache, f.h_prev, want, mm)
         f.logits, f.h_prev, f.cache = out[:3]
         f.next += 1
         self.prefill_tokens += w
@@ -702,7 +702,6 @@ class Generator:
             if not self._try_admit(req):
                 return False
         except Exception as e:
-            self._fill = None
             with self._lock:
                 self._waiting.popleft()
             self._fail_admission(group, e)
@@ -766,21 +765,20 @@ class Generator:
         masks = self._masks(self._B, self.k + 1)
         if not self.k:
             batch, logits = p.logits(self._state, self._batch, active)      # dispatched, runs meanwhile
-            self._fill_masks(masks)
+            self._fill_masks(masks, active)
             return p.pick(batch, logits, active, force, masks[:, :1], want)
         batch, drafts, q, x_m = p.draft(self._state, self._batch, active)
         host_drafts = host_value(drafts)
         batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active)
-        self._fill_masks(masks, host_drafts)
+        self._fill_masks(masks, active, host_drafts)
         return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want)
 
-    def _fill_masks(self, masks: np.ndarray, drafts: np.ndarray | None = None) -> None:
+    def _fill_masks(self, masks: np.ndarray, active: np.ndarray, drafts: np.ndarray | None = None) -> None:
         """Each constrained row's masks into ``masks`` [B, T, W] (the others stay all-allowed): one
         position from the matcher's state (in parallel over rows), or with ``drafts`` [B, k] one
-        per verify position."""
-        decoding = self._decoding()
+        per verify position. ``active`` [B]: the rows the step decodes."""
         rows = [(r, req.constraint) for r, req in enumerate(self._rows)
-                if decoding[r] and req.constraint is not None and not req.forcing]
+                if active[r] and req.constraint is not None and not req.forcing]
         if drafts is not None:
             for r, c in rows:
                 c.fill(masks[r], drafts[r])
