@@ -128,6 +128,14 @@ def test_dispatch_rule():
     assert dispatch.moe_impl(8, 2, banks, ref) is mv.reference_moe
     assert dispatch.moe_impl(64, 2, banks, ref) is gm.reference_moe
     assert dispatch.moe_impl(8, 2, banks, Policy(backend="dequantize")) is dispatch.dequantized_moe
+    assert dispatch.matmul_impl(8, q8, gpu).func is mv_gpu.linear_matvec_gpu
+    zeros = lambda qtype, *lead: QArray.from_blocks(                                 # noqa: E731
+        np.zeros((*lead, 64, 2 * BLOCK_LAYOUTS[qtype].type_size), np.uint8), qtype)
+    # measured on an H200 (bench/gpu_kernels.py): codebook matrices dequantize whole; IQ4_XS's
+    # decoder overflows shared memory, so its banks take the jnp twin
+    assert dispatch.matmul_impl(8, zeros(QType.IQ2_S), gpu) is dispatch.dequantized_matmul
+    iq4 = [zeros(QType.IQ4_XS, 4)] * 3
+    assert not mv_gpu.supported(*iq4) and dispatch.moe_impl(8, 2, iq4, gpu) is mv.reference_moe
     mxfp4 = QArray.from_blocks(np.zeros((4, 17), np.uint8), QType.MXFP4)          # no tile decoder
     assert dispatch.matmul_impl(8, mxfp4, tpu) is dispatch.dequantized_matmul
     with use_policy(tpu):

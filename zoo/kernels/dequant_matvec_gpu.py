@@ -5,8 +5,9 @@ Triton's Pallas backend has no scalar prefetch and no data-dependent ``index_map
 are an ordinary input, and each program (output tile ``j``, distinct-expert slot ``u``) reads its
 expert id and loads that expert's plane words itself (``GpuReader``: pointer loads from the whole
 bank in global memory; codebooks are gathers from flat int32 tables). Every tensor in a Triton
-kernel has power-of-two dimensions, so chunks are a power of two of blocks, output tiles
-``tile_cols`` in (128, 64, 32, 16) columns, and the rows are padded to 16 (the smallest ``tl.dot``).
+kernel has power-of-two dimensions, so chunks are a power of two of blocks (at most 512 inputs),
+output tiles ``tile_cols`` in (128, 64, 32, 16) columns (a float32 tile of at most 32k elements: it
+is staged in shared memory, 227 KiB per block on an H100/H200), and the rows are padded to 16 (the smallest ``tl.dot``).
 SwiGLU runs in float32 on the projections rounded to the activation dtype (Triton has no bf16
 division for the sigmoid). Programs run concurrently, so the down projection cannot accumulate over
 experts in its output block as the TPU kernel does: each slot writes ``[rows, out]`` and the
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from zoo.formats.ggml import QType
 from zoo.kernels.dequant_matvec import expert_plan
 from zoo.kernels.operands import Weight, plane_inputs, split_refs
 from zoo.kernels.tile_decoders import format_of
@@ -37,18 +39,43 @@ from zoo.ops.matmul import precision_for
 
 F32 = jnp.float32
 MIN_ROWS = 16
+# A program decodes a float32 tile [chunk inputs, output columns] that Triton stages in shared
+# memory (an H100/H200 has 227 KiB per block; the tile takes about 1.1x its bytes there, measured on
+# an H200): chunks of at most 512 inputs, and tiles of at most 32k elements (128 KiB).
+MAX_CHUNK_INPUTS = 512
+MAX_TILE_ELEMENTS = 32768
+# Formats whose decoder does not fit those budgets: IQ4_XS's asked for 289.5 KiB of shared memory
+# at a 512 x 64 tile on an H200 (bench/gpu_kernels.py, 2026-12-04), twice the other formats.
+NOT_ON_GPU = frozenset({QType.IQ4_XS})
 
 
-def tile_cols(d_out: int) -> int | None:
-    """The widest power-of-two output tile (16..128) that divides ``d_out``, or None."""
-    return next((t for t in (128, 64, 32, 16) if d_out % t == 0), None)
+def tile_cols(d_out: int, max_width: int = 128) -> int | None:
+    """The widest power-of-two output tile (16..``max_width``, at most 128) that divides ``d_out``, or None."""
+    return next((t for t in (128, 64, 32, 16) if t <= max(max_width, 16) and d_out % t == 0), None)
+
+
+def weight_of(q) -> Weight:
+    """``q`` as a Triton operand: power-of-two chunks of at most ``MAX_CHUNK_INPUTS`` inputs."""
+    return Weight.of(q, max_inputs=MAX_CHUNK_INPUTS, power_of_two=True)
+
+
+def width_for(weights: list[Weight]) -> int | None:
+    """Output columns per program: a power of two dividing the outputs whose tile, for the widest
+    chunk among ``weights``, stays within ``MAX_TILE_ELEMENTS``."""
+    chunk = max(w.tiling.chunk_inputs for w in weights)
+    return tile_cols(weights[0].d_out, MAX_TILE_ELEMENTS // chunk)
 
 
 def supported(*qarrays) -> bool:
     """Whether the Triton kernels take these QArrays (a tile decoder, a power-of-two tiling, an
-    output width that is a multiple of 16)."""
-    return all(format_of(q.qtype) is not None and tile_cols(q.shape[-1]) is not None
-               and tiling_for(q.qtype, q.n_blocks, q.in_splits, power_of_two=True) is not None for q in qarrays)
+    output tile of 16 to 128 columns within the shared-memory budget)."""
+    for q in qarrays:
+        if q.qtype in NOT_ON_GPU or format_of(q.qtype) is None or tile_cols(q.shape[-1]) is None:
+            return False
+        tiling = tiling_for(q.qtype, q.n_blocks, q.in_splits, MAX_CHUNK_INPUTS, power_of_two=True)
+        if tiling is None or tile_cols(q.shape[-1], MAX_TILE_ELEMENTS // tiling.chunk_inputs) is None:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -106,7 +133,7 @@ def _project(xs: list[jax.Array], weights: list[Weight], x_of: list[int], expert
     """``epilogue(x @ W_i[e] for i) -> [U, rows, out]`` per distinct-expert slot; ``xs`` are
     ``[rows, in]`` (shared by the slots) or ``[U, rows, in]`` (one per slot)."""
     u_size, rows, d_out = experts.shape[0], xs[0].shape[-2], weights[0].d_out
-    width = tile_cols(d_out)
+    width = width_for(weights)
     names = tuple(sorted({t for w in weights for t in w.fmt.tables}))
     tables = [jnp.asarray(TABLES[n].reshape(-1)) for n in names]
     per_slot = xs[0].ndim == 3
@@ -138,7 +165,7 @@ def moe_matvec_gpu(x, weights, ids, gate, up, down, limit, *, interpret: bool = 
     """Routed experts over QArray banks for a decode step; ``[N, D]`` in x's dtype."""
     dtype, n = x.dtype, x.shape[0]
     plan = expert_plan(ids, weights, gate.shape[0])
-    g, u, d = (Weight.of(b, power_of_two=True) for b in (gate, up, down))
+    g, u, d = (weight_of(b) for b in (gate, up, down))
     xs, x_of = plane_inputs(_pad_rows(x), [g, u])
     rounded = lambda acc: acc.astype(dtype).astype(F32)      # noqa: E731  (as the dense path rounds)
     h = _project(xs, [g, u], x_of, plan.experts, plan.n_valid,
@@ -151,7 +178,7 @@ def moe_matvec_gpu(x, weights, ids, gate, up, down, limit, *, interpret: bool = 
 
 def linear_matvec_gpu(x: jax.Array, w, out_dtype, *, interpret: bool = False) -> jax.Array:
     """``x [..., in] @ w`` for a 2-D QArray and a few rows; ``[..., out]`` in ``out_dtype``."""
-    weight = Weight.of(w, power_of_two=True)
+    weight = weight_of(w)
     rows = x.reshape(-1, x.shape[-1])
     one = jnp.ones((1,), jnp.int32)
     y = _project([_pad_rows(rows)[:, weight.order]], [weight], [0], one - 1, one, lambda acc: acc, out_dtype,

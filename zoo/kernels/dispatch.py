@@ -11,9 +11,12 @@ trace time, from static shapes):
    (``zoo.kernels.dequant_matvec``); more rows (prefill) take the grouped GEMM over expert-sorted
    row blocks (``zoo.kernels.grouped_matmul``);
 3. **backend**: on TPU the Pallas (Mosaic) kernels; on GPU the Triton decode kernels
-   (``zoo.kernels.dequant_matvec_gpu``) where their power-of-two constraints hold, and for prefill
-   the jnp references (XLA's own GEMMs on the decoded weights); on CPU the jnp references, which
-   decode with the same tile decoders.
+   (``zoo.kernels.dequant_matvec_gpu``) where their power-of-two and shared-memory constraints
+   hold, and for prefill the jnp references (XLA's own GEMMs on the decoded weights); on CPU the
+   jnp references, which decode with the same tile decoders. One exception measured on an H200
+   (``bench/gpu_kernels.py``): a 2-D weight of a codebook format (IQ*: a table gather per weight)
+   is dequantized whole then multiplied, 70 us against the Triton kernel's 286 us for 4096 x 4096
+   IQ2_S at 3 rows (the kernel reads the whole matrix either way).
 
 A :class:`Policy` overrides the backend (tests run the Pallas bodies on CPU with ``interpret``) or
 the thresholds; set it with :func:`use_policy` around the *tracing* of a program (a jitted function
@@ -109,6 +112,8 @@ def matmul_impl(rows: int, w, policy: Policy) -> Callable:
             return functools.partial(mv.linear_matvec, interpret=policy.interpret)
         bm = min(128, -(-rows // 16) * 16)
         return functools.partial(gm.linear_grouped, block_rows=bm, interpret=policy.interpret)
+    if backend == "gpu" and decode and format_of(w.qtype).tables:
+        return dequantized_matmul          # codebook gathers: the Triton kernel is 4x slower (docstring)
     if backend == "gpu" and decode and mv_gpu.supported(w):
         return functools.partial(mv_gpu.linear_matvec_gpu, interpret=policy.interpret)
     return mv.reference_linear
