@@ -104,6 +104,7 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     """q [B, T, H, Dk], k [B, G, L, Dk], v [B, G, L, Dv], mask [B, T, L] -> [B, T, H, Dv].
 
     Softmax in float32; a query with no visible key (padding) gets a uniform average instead of NaN.
+    The reference for :func:`filled_attention` (the whole window at once).
     """
     b, t, h, dk = q.shape
     g = k.shape[1]
@@ -115,6 +116,65 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     # -> f32 dot for this layout
     out = jnp.einsum("bgrts,bgsd->btgrd", probs, v.astype(q.dtype), precision=precision_for(q.dtype))
     return out.reshape(b, t, h, v.shape[-1])
+
+
+def key_block(length: int) -> int | None:
+    """Slots per key block of :func:`filled_attention` for a window of ``length`` slots (the widest of
+    512, 256 that divides it and leaves at least two blocks), or None: one block (the whole window)."""
+    return next((n for n in (512, 256) if length % n == 0 and length >= 2 * n), None)
+
+
+def blocks_visited(slots: Slots, t: int, length: int) -> jax.Array:
+    """int32 scalar: key blocks :func:`filled_attention` reads for a call of ``t`` tokens, those up
+    to the last slot any row holds after the call (``max(write_at) + t``)."""
+    block = key_block(length) or length
+    used = jnp.max(slots.write_at) + t
+    return jnp.minimum((used + block - 1) // block, length // block).astype(jnp.int32)
+
+
+def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float) -> jax.Array:
+    """:func:`grouped_attention` over the filled part of the window only: key blocks of
+    :func:`key_block` slots, up to the last slot any row has written (``max(write_at) + T``), with an
+    online softmax (flash-attention style; float32 running max, sum and output). The number of
+    blocks is a traced loop bound, so one program serves every fill level and its cost follows the
+    tokens present, not the window. Shapes as :func:`grouped_attention`; ``slots`` gives the mask.
+
+    A row's result does not depend on how many blocks the batch visits (an all-masked block adds
+    exact zeros to a row that has a visible key). A query with no visible key averages the visited
+    slots (its output is never used)."""
+    b, t, h, dk = q.shape
+    g, length, dv = k.shape[1], k.shape[2], v.shape[-1]
+    block = key_block(length)
+    if block is None:
+        return grouped_attention(q, k, v, attention_mask(slots), scale)
+    r = h // g
+    qg = q.reshape(b, t, g, r, dk)
+    n_blocks = blocks_visited(slots, t, length)
+    f32_min = jnp.finfo(jnp.float32).min
+
+    def step(i, carry):
+        m, total, acc = carry
+        start = i * block
+        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(q.dtype)
+        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2).astype(q.dtype)
+        valid = jax.lax.dynamic_slice_in_dim(slots.key_valid, start, block, axis=1)
+        slot_ids = start + jnp.arange(block, dtype=jnp.int32)
+        mask = valid[:, None, :] & (slot_ids[None, None, :] <= slots.query_slot[:, :, None])     # [B, T, S]
+        scores = einsum("btgrd,bgsd->bgrts", qg, kb).astype(jnp.float32) * scale
+        scores = jnp.where(mask[:, None, None], scores, f32_min)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        keep = jnp.exp(m - m_new)
+        # in q's dtype, as grouped_attention (XLA:CPU has no bf16 x bf16 -> f32 dot for this layout)
+        part = jnp.einsum("bgrts,bgsd->bgrtd", p.astype(q.dtype), vb,
+                          precision=precision_for(q.dtype)).astype(jnp.float32)
+        return m_new, total * keep + p.sum(axis=-1), acc * keep[..., None] + part
+
+    init = (jnp.full((b, g, r, t), f32_min, jnp.float32), jnp.zeros((b, g, r, t), jnp.float32),
+            jnp.zeros((b, g, r, t, dv), jnp.float32))
+    _, total, acc = jax.lax.fori_loop(0, n_blocks, step, init)
+    out = (acc / total[..., None]).astype(q.dtype)                          # [B, G, R, T, Dv]
+    return jnp.moveaxis(out, 3, 1).reshape(b, t, h, dv)
 
 
 class GatedAttention(nnx.Module):
@@ -147,7 +207,7 @@ class GatedAttention(nnx.Module):
         heads_first = lambda a: jnp.swapaxes(a, 1, 2)                       # noqa: E731   [B, T, G, D] -> [B, G, T, D]
         cache = KVCache(k=write_slots(cache.k, heads_first(k), slots.write_at, slot_axis=2),
                         v=write_slots(cache.v, heads_first(v), slots.write_at, slot_axis=2))
-        o = grouped_attention(q, cache.k, cache.v, attention_mask(slots), self.head_dim ** -0.5)
+        o = filled_attention(q, cache.k, cache.v, slots, self.head_dim ** -0.5)
         gate = jax.nn.sigmoid(gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
         o = o.reshape(b, t, self.n_heads * self.head_dim) * gate
         return self.o_proj(o), cache
