@@ -71,7 +71,8 @@ def run_while_streaming(gen: Generator, stream_opts: dict, long_prompt, long_opt
     return stream, long, filling
 
 
-@pytest.mark.parametrize("which,k", [(m, k) for m in MODELS for k in (0, 2)])
+# both models and both decoders, not every pair (the engine's interleaving does not branch on the model)
+@pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("qwen38-tiny", 2), ("glm53-tiny", 2)])
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_and_every_output_is_exact(models, which, k):
     model = models[which]
     stream_opts = dict(max_new_tokens=24, logprobs=2)

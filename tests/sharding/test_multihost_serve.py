@@ -98,9 +98,11 @@ def conversation(base_url: str) -> list:
 
 def test_a_conversation_through_process_0_equals_one_process(tmp_path):
     """Qwen on "tp" (a multi-process engine does not depend on the model: GLM on "ep" over two
-    processes is ``test_multihost``'s), each process warmed up before it serves."""
+    processes is ``test_multihost``'s). The two processes warm up before they serve (their warmups'
+    collectives pair up); the one-process reference compiles what the conversation uses
+    (``--no-warmup``: warming one process is ``test_compile_once``'s)."""
     args = ("--model", "qwen38-tiny", "--mesh", "tp", *EXACT)
-    with zoo_serve(tmp_path / "one", 1, 8, args) as (procs, url):
+    with zoo_serve(tmp_path / "one", 1, 8, (*args, *LAZY)) as (procs, url):
         want = conversation(url)
     assert wait_all(procs, 1) == [0]
     with zoo_serve(tmp_path / "two", 2, 4, args) as (procs, url):
