@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 import zoo
+from tests.support.helpers import assert_same_generation
 from zoo.engine.generator import Generator
 from zoo.engine.prefix_cache import PrefixCache
 
@@ -36,19 +37,6 @@ def engine(model, k: int, prefix: bool = False) -> Generator:
 
 def alone(model, k: int, prompt, **options):
     return engine(model, k).generate([prompt], **options)[0]
-
-
-def same(got, want) -> None:
-    """The same tokens and finish, and the same logprobs (ids exactly, values to float32 rounding)."""
-    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
-    for a, b in ((got.logprobs, want.logprobs), (got.prompt_logprobs, want.prompt_logprobs)):
-        assert (a is None) == (b is None) and len(a or ()) == len(b or ())
-        for x, y in zip(a or (), b or ()):
-            assert x.token == y.token and [i for i, _ in x.top] == [i for i, _ in y.top]
-            assert (x.logprob is None) == (y.logprob is None)
-            if x.logprob is not None:
-                assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
-                assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-5)
 
 
 def run_while_streaming(gen: Generator, stream_opts: dict, long_prompt, long_opts: dict, after: int = 3):
@@ -78,8 +66,8 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_and_every_output_is_exact(m
     stream_opts = dict(max_new_tokens=24, logprobs=2)
     long_opts = dict(max_new_tokens=8, logprobs=1, prompt_logprobs=1)
     stream, long, filling = run_while_streaming(engine(model, k), stream_opts, LONG, long_opts)
-    same(stream.result(), alone(model, k, SHORT, **stream_opts))
-    same(long.result(), alone(model, k, LONG, **long_opts))
+    assert_same_generation(stream.result(), alone(model, k, SHORT, **stream_opts))
+    assert_same_generation(long.result(), alone(model, k, LONG, **long_opts))
     assert len(filling) >= -(-len(LONG) // CHUNK) - 1        # the prompt took several steps, not one
     assert all(0 < spent <= CHUNK for spent, _ in filling)    # one chunk at most per step
     assert all(got >= 1 for _, got in filling)                 # the stream got tokens at each of them
@@ -96,8 +84,8 @@ def test_prefix_hits_and_choices_while_streaming_are_exact(models, which, k):
     assert long.stats["cached_tokens"] >= 192
     want = engine(model, k).generate([turn], **opts)
     for got, ref in zip([long] + long.forks, want):
-        same(got.result(), ref)
-    same(stream.result(), alone(model, k, SHORT, max_new_tokens=20))
+        assert_same_generation(got.result(), ref)
+    assert_same_generation(stream.result(), alone(model, k, SHORT, max_new_tokens=20))
 
 
 def test_cancelled_while_its_prompt_fills(models):
@@ -115,5 +103,5 @@ def test_cancelled_while_its_prompt_fills(models):
         gen.step()
     assert long.finish_reason == long.forks[0].finish_reason == "cancelled" and not long.tokens
     assert gen._fill is None and all(r is None for r in gen._rows)
-    same(stream.result(), alone(model, 0, SHORT, max_new_tokens=30))
-    same(nxt.result(), alone(model, 0, SHORT[:3], max_new_tokens=5))
+    assert_same_generation(stream.result(), alone(model, 0, SHORT, max_new_tokens=30))
+    assert_same_generation(nxt.result(), alone(model, 0, SHORT[:3], max_new_tokens=5))

@@ -53,10 +53,12 @@ def check_generated(model, prompt, gen, n_top: int):
     assert len(gen.logprobs) == len(gen.tokens) > 0
     for i, (tok, rec) in enumerate(zip(gen.tokens, gen.logprobs)):
         row = ref[len(prompt) - 1 + i]
-        assert rec.token == tok and abs(rec.logprob - row[tok]) <= TOL
+        # the engine's attention reads its cache in blocks (online softmax), the full forward the
+        # whole window at once: float32 sums in another order, a few 1e-6 relative
+        assert rec.token == tok and abs(rec.logprob - row[tok]) <= TOL * (1 + abs(row[tok]))
         ids, lps = zip(*rec.top) if rec.top else ((), ())
         assert len(rec.top) == n_top
-        np.testing.assert_allclose(lps, np.sort(row)[::-1][:n_top], atol=TOL)
+        np.testing.assert_allclose(lps, np.sort(row)[::-1][:n_top], rtol=TOL, atol=TOL)
         assert list(ids) == list(np.argsort(-row, kind="stable")[:n_top])
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import zoo
-from tests.support.helpers import bigram_variant
+from tests.support.helpers import assert_same_generation, bigram_variant
 from zoo.engine.generator import Generator
 from zoo.engine.prefix_cache import PrefixCache
 
@@ -54,15 +54,6 @@ def converse(gen: Generator, turns: list[list[int]], **kw) -> list:
     return outs
 
 
-def assert_same(got, want) -> None:
-    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
-    for a, b in zip(got.logprobs, want.logprobs):
-        assert a.token == b.token
-        np.testing.assert_allclose(a.logprob, b.logprob, rtol=1e-5, atol=1e-5)
-        assert [t for t, _ in a.top] == [t for t, _ in b.top]
-        np.testing.assert_allclose([v for _, v in a.top], [v for _, v in b.top], rtol=1e-5, atol=1e-5)
-
-
 TURNS = [words(1, 75), words(2, 9), words(3, 21), words(4, 40)]
 
 
@@ -74,7 +65,7 @@ def test_conversation_turns_hit_and_match_the_uncached_run(models, which, k):
     want = converse(uncached(model, k), TURNS)
     prompt = []
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_same(g, w)
+        assert_same_generation(g, w)
         if i:
             # turn i hits where turn i-1's request ended: its prompt and its answer, but for the last
             # token when it ran out of tokens (sampled, never fed; an end-of-turn token is not in
@@ -102,8 +93,8 @@ def test_shared_prefix_hits_at_a_block_boundary_and_sampling_matches(models, whi
     first = gen.generate([a], **kw)[0]
     second = gen.generate([b], **kw)[0]
     assert second.stats["cached_tokens"] == 64
-    assert_same(first, ref.generate([a], **kw)[0])
-    assert_same(second, ref.generate([b], **kw)[0])
+    assert_same_generation(first, ref.generate([a], **kw)[0])
+    assert_same_generation(second, ref.generate([b], **kw)[0])
     again = gen.generate([b], **kw)[0]            # the same prompt again: up to its last piece end (96)
     assert again.stats["cached_tokens"] == 96 and again.tokens == second.tokens
 
@@ -118,7 +109,7 @@ def test_a_batch_where_some_rows_hit_and_others_miss(models, which, k):
     got = gen.generate(prompts, max_new_tokens=NEW, logprobs=3)
     want = uncached(model, k).generate(prompts, max_new_tokens=NEW, logprobs=3)
     for g, w in zip(got, want):
-        assert_same(g, w)
+        assert_same_generation(g, w)
     hits = [g.stats["cached_tokens"] for g in got]
     assert hits[0] > 0 and hits[2] > 0 and hits[1] == 0 and hits[3] == 0, hits
 
@@ -144,7 +135,7 @@ def test_eviction_under_memory_pressure_while_requests_run(models, which, k):
             g.append(out)
     for g, w in zip(got, want):
         for a, b in zip(g, w):
-            assert_same(a, b)
+            assert_same_generation(a, b)
     assert probe.stats.demoted > 0 and probe.stats.evicted > 0, probe.stats
     assert probe.device_used <= probe.device_budget and probe.host_used <= probe.host_budget
     assert any(g[t].stats["cached_tokens"] > 0 for g in got for t in (1, 2))

@@ -70,3 +70,20 @@ def rss() -> tuple[int, int]:
 
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def assert_same_generation(got, want, tol: float = 1e-5) -> None:
+    """Two ``Generation`` results agree: the same tokens and finish, the same logprobs and prompt
+    logprobs (as many, the same token and alternative ids exactly, values within ``tol`` relative
+    and absolute: float32 rounding)."""
+    import pytest
+
+    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
+    for a, b in ((got.logprobs, want.logprobs), (got.prompt_logprobs, want.prompt_logprobs)):
+        assert (a is None) == (b is None) and len(a or ()) == len(b or ())
+        for x, y in zip(a or (), b or ()):
+            assert x.token == y.token and [i for i, _ in x.top] == [i for i, _ in y.top]
+            assert (x.logprob is None) == (y.logprob is None)
+            if x.logprob is not None:
+                assert x.logprob == pytest.approx(y.logprob, rel=tol, abs=tol)
+                assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], rel=tol, abs=tol)

@@ -16,17 +16,18 @@ from zoo.tools.plan import plan_config
 
 jax.numpy.zeros(1).block_until_ready()          # the CPU backend is in use before the target is opened
 
-GLM_LAYERS = 4                                   # 3 KDA layers (dense MLP) + 1 MLA layer with the MoE
+GLM_LAYERS = (2, 3)                              # of the preset: a KDA layer (dense MLP), an MLA layer with the MoE
 
 
 @pytest.fixture(scope="module")
 def glm_reduced(tmp_path_factory):
-    """GLM-5.3-Flash at full width with its first 4 layers and the MTP layer (a config.json only)."""
+    """GLM-5.3-Flash at full width with two of its layers (KDA with a dense MLP; MLA with the indexer
+    and the routed experts) and the MTP layer (a config.json only)."""
     hf = json.loads(registry.preset_path("glm53-flash.json").read_text())
     cfg = registry.preset_config(registry.get_spec("glm53-flash"))                    # the preset's layer types
-    hf.update(num_hidden_layers=GLM_LAYERS, layer_types=list(cfg.layer_types[:GLM_LAYERS]),
-              mlp_layer_types=list(cfg.mlp_layer_types[:GLM_LAYERS]),
-              indexer_types=list(cfg.indexer_types[:GLM_LAYERS]))
+    pick = lambda types: [types[i] for i in GLM_LAYERS]             # noqa: E731
+    hf.update(num_hidden_layers=len(GLM_LAYERS), layer_types=pick(cfg.layer_types),
+              mlp_layer_types=pick(cfg.mlp_layer_types), indexer_types=pick(cfg.indexer_types))
     path = tmp_path_factory.mktemp("glm-reduced")
     (path / "config.json").write_text(json.dumps(hf))
     return path

@@ -1,0 +1,157 @@
+"""The fixed program set of a ``Generator`` (``zoo.engine.generator``), as a mixin: the jitted
+whole-model programs, their abstract arguments on the model's mesh (what ``zoo compile`` lowers
+for a target), warming every one of them up before the server says ready, and the bytes of the
+batch state a configuration holds per device.
+
+    program(name)        -> jitted "decode" (batch donated) or "prefill" (one-row cache donated)
+    program_set()        -> [(name, program, abstract args)]: decode at rows x L (with k MTP
+                            drafts when speculating) and a prefill at each of ``prefill_widths``
+    warmup(progress)     -> [(name, seconds)]: each program run once on zeros through the calls
+                            requests make; afterwards no request compiles anything
+    cache_bytes(rows, L) -> int, one device's bytes of the batch state
+
+The Generator provides the state these read (``_state``, ``_B``, ``_L``, ``k``, ``prefill_small``,
+``prefill_chunk``, ``prefix``, ``model``, the jitted callables ``_empty_fn``, ``_first_fn``,
+``_place_fn``, ``_step_fn``, and ``_step_impl``, ``_prefill_impl``, ``_empty_impl``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zoo.engine.options import RequestOptions
+from zoo.sharding.cache_axes import cache_shardings
+from zoo.sharding.mesh import on_mesh
+
+
+class ProgramSet:
+    """Mixin of ``Generator``: its compiled programs (see the module docstring)."""
+
+    @property
+    def weights(self):
+        """The model's parameter state, the first argument of every program."""
+        return self._state
+
+    def program(self, name: str, keep_unused: bool = False):
+        """The jitted device program ``name`` ("decode": ``(state, batch, active, force, cap, masks,
+        want_lp)``, the batch donated; "prefill": ``(state, ids, mask, h_prev, next_ids, next_mask, cache,
+        want_lp)``, the cache donated), not wrapped in the model's mesh: lower it under ``jax.set_mesh``
+        (``zoo.tools.compile_report``). ``keep_unused``: the weights a program does not read stay
+        arguments (resident memory)."""
+        impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (6,))}[name]
+        return jax.jit(impl, donate_argnums=donate, keep_unused=keep_unused)
+
+    def abstract_batch(self, rows: int, length: int) -> dict:
+        """The batch state for ``rows`` x ``length`` slots as ShapeDtypeStructs with their shardings
+        on the model's mesh (cache leaves by their logical axes, the rest replicated)."""
+        mesh = getattr(self.model, "mesh", None)
+        shapes = on_mesh(lambda: jax.eval_shape(lambda: self._empty_impl(rows, length)), mesh)()
+        if mesh is None:
+            return shapes
+        replicated = NamedSharding(mesh, PartitionSpec())
+        with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)   # noqa: E731
+        cache = jax.tree.map(with_sharding, shapes["cache"], cache_shardings(shapes["cache"], mesh))
+        rest = {k: jax.tree.map(lambda x: with_sharding(x, replicated), v) for k, v in shapes.items() if k != "cache"}
+        return {"cache": cache, **rest}
+
+    @property
+    def prefill_widths(self) -> tuple[int, ...]:
+        """The prefill pieces' widths (``_plan``): the small one and the chunk where it fits the row."""
+        return tuple(sorted({self.prefill_small} | ({self.prefill_chunk} if self.prefill_chunk <= self._L else set())))
+
+    def program_set(self, keep_unused: bool = False) -> list[tuple[str, object, tuple]]:
+        """The whole-model programs of this configuration, all ``warmup`` compiles of them and all
+        ``zoo compile`` lists: ``(name, program, abstract args)``, ``program`` from ``program`` and the
+        args ShapeDtypeStructs with their shardings on the model's mesh. The decode step at rows x L
+        (with k MTP drafts when speculating) and the prefill at each of ``prefill_widths``."""
+        mesh = getattr(self.model, "mesh", None)
+        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        small = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
+        b, L = self._B, self._L
+        batch = self.abstract_batch(b, L)
+        decode = (self.weights, batch, small((b,), jnp.bool_), small((b,), jnp.int32), small((b,), jnp.int32),
+                  small((), jnp.bool_))
+        out = [(f"decode B={b} L={L}" + (f" MTP k={self.k}" if self.k else ""), self.program("decode", keep_unused),
+                decode)]
+        row = self.abstract_batch(1, L)["cache"]
+        h = small((1, self.model.config.hidden_size), self.model.module.dtype)
+        for w in self.prefill_widths:
+            ids, mask = small((1, w), jnp.int32), small((1, w), jnp.bool_)
+            out.append((f"prefill width={w} L={L}" + (" + MTP rows" if self.k else ""),
+                        self.program("prefill", keep_unused), (self.weights, ids, mask, h, ids, mask, row,
+                                                               small((), jnp.bool_))))
+        return out
+
+    def warmup(self, progress=None) -> list[tuple[str, float]]:
+        """Compile every program a request can run (the ``program_set`` and the small ones around it:
+        the empty batch and row, the first token, placing a row, the prefix cache's copies) by
+        running each once on zeros, through the same calls requests make; afterwards no request
+        compiles anything. ``progress(name, seconds, done, total)`` after each. Returns (name,
+        seconds) per program. The batch is left empty."""
+        timings: list[tuple[str, float]] = []
+        total = len(self.prefill_widths) + 3 + (self.prefix is not None)
+
+        def timed(name, fn):
+            t0 = time.perf_counter()
+            out = fn()
+            jax.block_until_ready(out)
+            timings.append((name, time.perf_counter() - t0))
+            if progress is not None:
+                progress(name, timings[-1][1], len(timings), total)
+            return out
+
+        self._ensure_batch()
+        row = None
+        for w in self.prefill_widths:
+            def prefill(w=w):
+                cache = self._empty_fn(1, self._L)["cache"]
+                return self._prefill_piece(np.zeros(w, np.int32), 0, w, w, cache, self._h_zero(), False)
+            row = timed(f"prefill width={w}", prefill)
+        logits, h_last, cache = row[:3]
+        params = self._row_params(RequestOptions(max_new_tokens=1), 0)
+
+        def first_and_place():
+            first, _ = self._first_fn(logits, params, self._masks(1, 1)[:, 0], np.bool_(False))
+            self._batch = self._place_fn(self._batch, cache, first, h_last, params, np.int32(0))
+            return self._batch
+        timed("first token + place", first_and_place)
+
+        none, force, cap = np.zeros(self._B, bool), np.full(self._B, -1, np.int32), np.ones(self._B, np.int32)
+
+        def decode(masked: bool):
+            out = (self._masked_step(none, force, cap, np.bool_(False)) if masked else
+                   self._step_fn(self._state, self._batch, none, force, cap, np.bool_(False)))
+            self._batch = out[0]
+            return out
+        timed("decode" + (f" MTP k={self.k}" if self.k else ""), lambda: decode(False))
+        timed("decode with token masks", lambda: decode(True))
+        if self.prefix is not None:
+            timed("prefix cache copies", lambda: self._rows_io.warmup(self._state, self._batch, cache,
+                                                                        h_last if self.k else None))
+        self._batch = None                       # the rows were written to: a fresh batch for requests
+        self._ensure_batch()
+        return timings
+
+    def cache_bytes(self, rows: int, length: int) -> int:
+        """Bytes of the batch state (cache, carry, params) for ``rows`` x ``length`` slots on one
+        device: on a mesh, each cache leaf counts with its shard shape (the memory budget is one
+        device's), the small carry and params as replicated."""
+        if (rows, length) not in self._cache_bytes:
+            shapes = jax.eval_shape(lambda: self._empty_impl(rows, length))
+            mesh = getattr(self.model, "mesh", None)
+            cache = jax.tree.leaves(shapes["cache"])
+            if mesh is None:
+                shard_shapes = [x.shape for x in cache]
+            else:
+                shardings = jax.tree.leaves(cache_shardings(shapes["cache"], mesh))
+                shard_shapes = [s.shard_shape(x.shape) for x, s in zip(cache, shardings)]
+            rest = jax.tree.leaves({k: v for k, v in shapes.items() if k != "cache"})
+            self._cache_bytes[rows, length] = (
+                sum(int(np.prod(shape)) * x.dtype.itemsize for x, shape in zip(cache, shard_shapes))
+                + sum(x.size * x.dtype.itemsize for x in rest))
+        return self._cache_bytes[rows, length]
