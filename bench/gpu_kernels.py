@@ -17,7 +17,8 @@ then dense), and the planes the kernel must read per second against a device cop
 Part 3 (timing): ``linear_matvec_gpu`` for a 4096 x 4096 matrix, 3 rows, against dequantize-then-dot
 and against a bfloat16 dense matmul of the same shape (what an unquantized model pays).
 
-Needs only jax (with a GPU plugin), numpy and gguf. Run from the repo root:
+Needs only jax (with a GPU plugin), numpy and gguf (the test data and the float64 oracle are
+``tests/support/ggml_oracle.py``'s). Run from the repo root:
 ``PYTHONPATH=. python bench/gpu_kernels.py [--out results.json]`` (``--interpret``: a small
 smoke run of every part on the CPU in Pallas interpret mode, small shapes, two formats).
 """
@@ -37,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import quants as gq
 
-from zoo.formats.ggml import BLOCK_LAYOUTS, F16, QType
+from tests.support.ggml_oracle import blocks, moe_oracle
+from zoo.formats.ggml import BLOCK_LAYOUTS, QType
 from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels import dispatch
@@ -48,44 +50,13 @@ TYPES = sorted(FORMATS, key=lambda t: t.name)
 LIMIT = 0.5
 
 
-def blocks(qtype: QType, lead: tuple[int, ...], rows: int, n_blocks: int, rng, rms: float = 0.05) -> np.ndarray:
-    """uint8 ``[*lead, rows, n_blocks * type_size]``: random bytes, f16 fields random signs times powers
-    of two scaled so the weights have an RMS near ``rms``."""
-    layout = BLOCK_LAYOUTS[qtype]
-    shape = (*lead, rows, n_blocks)
-    seed = int(rng.integers(1 << 30))
-
-    def draw(exponent, lead_shape):
-        r = np.random.default_rng(seed)
-        data = r.integers(0, 256, size=(*lead_shape, layout.type_size), dtype=np.uint8)
-        for f in layout.fields:
-            if f.dtype == F16:
-                powers = exponent + r.integers(-1, 2, size=(*lead_shape, f.count))
-                values = (r.choice([-1.0, 1.0], size=powers.shape) * np.exp2(powers)).astype(np.float16)
-                data[..., f.offset:f.end] = values.view(np.uint8)
-        return data.reshape(*lead_shape[:-1], lead_shape[-1] * layout.type_size)
-
-    probe = gq.dequantize(draw(-7, (min(rows, 64), n_blocks)), qtype).astype(np.float64)
-    return draw(-7 + int(np.round(np.log2(rms / np.sqrt(np.mean(probe ** 2))))), shape)
-
-
 def bank(qtype: QType, n_experts: int, d_in: int, d_out: int, rng, oracle: bool, in_splits: int = 1):
     """A QArray ``[E, d_in, d_out]`` (a matrix when ``n_experts`` is 0) and its float64 weights (or None)."""
     lead = (n_experts,) if n_experts else ()
-    raw = blocks(qtype, lead, d_out, d_in // BLOCK_LAYOUTS[qtype].block_size, rng)
+    raw = blocks(qtype, lead, d_out, d_in // BLOCK_LAYOUTS[qtype].block_size, int(rng.integers(1 << 30)),
+                 probe_rows=64)
     dense = np.swapaxes(gq.dequantize(raw, qtype), -1, -2).astype(np.float64) if oracle else None
     return QArray.from_blocks(raw, qtype, in_splits=in_splits), dense
-
-
-def moe_oracle(x, weights, ids, gate, up, down, limit) -> np.ndarray:
-    x = np.asarray(x, np.float64)
-    out = np.zeros((x.shape[0], down.shape[-1]))
-    for n, (row_ids, row_w) in enumerate(zip(np.asarray(ids), np.asarray(weights, np.float64))):
-        for e, w in zip(row_ids, row_w):
-            g = np.minimum(x[n] @ gate[e], limit)
-            u = np.clip(x[n] @ up[e], -limit, limit)
-            out[n] += w * ((g / (1 + np.exp(-g)) * u) @ down[e])
-    return out
 
 
 def rel_err(a, b) -> float:

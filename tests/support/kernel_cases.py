@@ -13,6 +13,7 @@ import numpy as np
 from gguf import quants as gq
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+from tests.support.ggml_oracle import blocks, moe_oracle  # noqa: F401  (re-exported for the kernel tests)
 from tests.support.helpers import rel_err  # noqa: F401  (re-exported for the kernel tests)
 from zoo.formats.ggml import BLOCK_LAYOUTS, F16, QType
 from zoo.kernels.tile_decoders import FORMATS
@@ -20,28 +21,6 @@ from zoo.quant.qarray import QArray
 
 KERNEL_TYPES = sorted(FORMATS, key=lambda t: t.name)
 LIMIT = 0.5            # SwiGLU clamp, low enough that some gate/up values are clamped
-
-
-def blocks(qtype: QType, lead: tuple[int, ...], rows: int, n_blocks: int, seed: int, rms: float = 0.05) -> np.ndarray:
-    """uint8 ``[*lead, rows, n_blocks * type_size]``: random blocks whose f16 fields are random signs
-    times powers of two near the scale that gives weights of RMS ``rms``. With activations that are
-    small multiples of 1/4 (:func:`activations`) every product and partial sum of a first projection
-    is then exact in float32, so only the float32 rounding of later stages is measured."""
-    layout = BLOCK_LAYOUTS[qtype]
-    shape = (*lead, rows, n_blocks)
-
-    def draw(exponent):
-        rng = np.random.default_rng(seed)
-        data = rng.integers(0, 256, size=(*shape, layout.type_size), dtype=np.uint8)
-        for f in layout.fields:
-            if f.dtype == F16:
-                powers = exponent + rng.integers(-1, 2, size=(*shape, f.count))
-                values = (rng.choice([-1.0, 1.0], size=powers.shape) * np.exp2(powers)).astype(np.float16)
-                data[..., f.offset:f.end] = values.view(np.uint8)
-        return data.reshape(*shape[:-1], n_blocks * layout.type_size)
-
-    probe = gq.dequantize(draw(-7), qtype).astype(np.float64)
-    return draw(-7 + int(np.round(np.log2(rms / np.sqrt(np.mean(probe ** 2))))))
 
 
 def raw_blocks(qtype: QType, lead: tuple[int, ...], rows: int, n_blocks: int, seed: int) -> np.ndarray:
@@ -69,18 +48,6 @@ def bank(qtype: QType, n_experts: int, d_in: int, d_out: int, seed: int,
     raw = blocks(qtype, lead, d_out, d_in // BLOCK_LAYOUTS[qtype].block_size, seed)
     dense = np.swapaxes(gq.dequantize(raw, qtype), -1, -2).astype(np.float64)
     return QArray.from_blocks(raw, qtype, in_splits=in_splits), dense
-
-
-def moe_oracle(x, weights, ids, gate, up, down, limit) -> np.ndarray:
-    """float64 routed experts: ``sum_k w * down(silu(min(gate, L)) * clip(up, -L, L))``."""
-    x = np.asarray(x, np.float64)
-    out = np.zeros((x.shape[0], down.shape[-1]))
-    for n, (row_ids, row_w) in enumerate(zip(np.asarray(ids), np.asarray(weights, np.float64))):
-        for e, w in zip(row_ids, row_w):
-            g = np.minimum(x[n] @ gate[e], limit)
-            u = np.clip(x[n] @ up[e], -limit, limit)
-            out[n] += w * ((g / (1 + np.exp(-g)) * u) @ down[e])
-    return out
 
 
 def routings(rows: int, top_k: int, n_experts: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
