@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.support.helpers import rel_err
-from zoo.models.glm53.mla import filled_latent_attention, latent_attention, latent_block, latent_blocks_visited
+from zoo.models.glm53.mla import filled_latent_attention, latent_attention
+from zoo.models.shared.filled_blocks import blocks_visited, key_block
 
 B, T_HEADS, C = 2, 3, 32
 
@@ -44,7 +45,7 @@ def test_row_independent_and_blocks_follow_fill():
     sel_short = sel.at[1].set(sel[1] & (jnp.arange(4096) < 12)[None, :])
     a = run(q, c, sel_short, short, C ** -0.5)
     b = run(q, c, sel, jnp.asarray([60, 3000], jnp.int32), C ** -0.5)
-    assert int(latent_blocks_visited(short, 2, 4096)) == 1
-    assert int(latent_blocks_visited(jnp.asarray([60, 3000]), 2, 4096)) == 6
+    assert int(blocks_visited(short, 2, 4096)) == 1
+    assert int(blocks_visited(jnp.asarray([60, 3000]), 2, 4096)) == 6
     assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
-    assert latent_block(32768) == 512 and latent_block(4160) is None
+    assert key_block(32768) == 512 and key_block(4160) is None

@@ -15,11 +15,10 @@ from zoo.models.qwen38.gated_attention import (
     Slots,
     advance_slots,
     attention_mask,
-    blocks_visited,
     filled_attention,
     grouped_attention,
-    key_block,
 )
+from zoo.models.shared.filled_blocks import blocks_visited, key_block
 
 B, H, G, D = 2, 4, 2, 16
 
@@ -54,7 +53,7 @@ def test_row_independent_of_other_rows():
     long_ = case(4096, [60, 3000], 3, seed=1)
     run = jax.jit(filled_attention, static_argnums=4)
     a, b = run(*short, D ** -0.5), run(*long_, D ** -0.5)
-    assert int(blocks_visited(short[3], 3, 4096)) == 1 and int(blocks_visited(long_[3], 3, 4096)) == 6
+    assert int(blocks_visited(short[3].write_at, 3, 4096)) == 1 and int(blocks_visited(long_[3].write_at, 3, 4096)) == 6
     assert not np.array_equal(np.asarray(a[1]), np.asarray(b[1]))
     assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
 
@@ -64,4 +63,4 @@ def test_blocks_follow_the_tokens_present():
     for filled, t, want in [([0, 0], 1, 1), ([511, 0], 1, 1), ([512, 0], 1, 2), ([4000, 17], 64, 8),
                             ([4033, 17], 64, 9), ([7000, 0], 1024, 16)]:
         slots = case(32768, filled, t)[3]
-        assert int(blocks_visited(slots, t, 32768)) == want, (filled, t)
+        assert int(blocks_visited(slots.write_at, t, 32768)) == want, (filled, t)

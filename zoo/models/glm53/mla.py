@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.models.shared.filled_blocks import blocks_visited, key_block, online_softmax
 from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param, take_step
 from zoo.ops.matmul import einsum, precision_for
@@ -214,53 +215,30 @@ def latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Array, sc
     return einsum("bthl,blc->bthc", probs, c)
 
 
-def latent_block(length: int) -> int | None:
-    """Slots per key block of :func:`filled_latent_attention` (512 or 256 dividing ``length`` into at
-    least two blocks), or None: the whole window at once."""
-    return next((n for n in (512, 256) if length % n == 0 and length >= 2 * n), None)
-
-
-def latent_blocks_visited(write_at: jax.Array, t: int, length: int) -> jax.Array:
-    """int32 scalar: blocks read for a call of ``t`` tokens (up to ``max(write_at) + t``, the last
-    slot any row holds after the call)."""
-    block = latent_block(length) or length
-    return jnp.minimum((jnp.max(write_at) + t + block - 1) // block, length // block).astype(jnp.int32)
-
-
 def filled_latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Array, write_at: jax.Array,
                             scale: float) -> jax.Array:
-    """:func:`latent_attention` over the filled part of the window only: latent blocks up to the
-    last slot any row holds (``write_at [B]`` + T), online softmax in float32 (flash style), the
-    block count a traced loop bound (one program for every fill level). A row's result does not
-    depend on how many blocks the batch visits (an all-masked block adds exact zeros). Where the
-    mesh splits the latent cache over its slots ("tp"), the whole window (each chip reads its share;
-    a dynamic slice across shards would gather the cache)."""
+    """:func:`latent_attention` over the filled part of the window only
+    (``zoo.models.shared.filled_blocks``: latent blocks up to the last slot any row holds,
+    ``write_at [B]`` + T, online softmax; one program for every fill level). Where the mesh splits
+    the latent cache over its slots ("tp"), the whole window (each chip reads its share; a dynamic
+    slice across shards would gather the cache)."""
     b, t, h, ch = q_latent.shape
     length = c.shape[1]
-    block = latent_block(length)
+    block = key_block(length)
     mesh = current_mesh()
     spec = partition_spec(LatentCache.AXES["latent"], tuple(c.shape), mesh) if mesh is not None else None
     if block is None or (spec is not None and spec[1] is not None):
-        # a latent cache split over its slots (the "tp" layout): every chip reads its own slots
         return latent_attention(q_latent, c, selection, scale)
 
-    def step(i, carry):
-        m, total, acc = carry
-        start = i * block
+    def block_fn(start):
         cb = jax.lax.dynamic_slice_in_dim(c, start, block, axis=1)
         sel = jax.lax.dynamic_slice_in_dim(selection, start, block, axis=2)
         scores = einsum("bthc,blc->bthl", q_latent, cb).astype(jnp.float32) * scale
-        scores = jnp.where(sel[:, :, None], scores, F32_MIN)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        p = jnp.exp(scores - m_new[..., None])
-        keep = jnp.exp(m - m_new)
-        part = einsum("bthl,blc->bthc", p.astype(q_latent.dtype), cb).astype(jnp.float32)
-        return m_new, total * keep + p.sum(axis=-1), acc * keep[..., None] + part
+        mix = lambda p: einsum("bthl,blc->bthc", p.astype(q_latent.dtype), cb).astype(jnp.float32)   # noqa: E731
+        return jnp.where(sel[:, :, None], scores, F32_MIN), mix
 
-    init = (jnp.full((b, t, h), F32_MIN, jnp.float32), jnp.zeros((b, t, h), jnp.float32),
-            jnp.zeros((b, t, h, ch), jnp.float32))
-    _, total, acc = jax.lax.fori_loop(0, latent_blocks_visited(write_at, t, length), step, init)
-    return (acc / total[..., None]).astype(q_latent.dtype)
+    n_blocks = blocks_visited(write_at, t, length)
+    return online_softmax(n_blocks, block, block_fn, (b, t, h), ch).astype(q_latent.dtype)
 
 
 class MultiLatentAttention(nnx.Module):

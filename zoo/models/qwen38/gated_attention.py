@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.models.shared.filled_blocks import F32_MIN, blocks_visited, key_block, online_softmax
 from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import Linear, RMSNorm, apply_rotary
 from zoo.ops.matmul import einsum, precision_for
@@ -118,30 +119,11 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return out.reshape(b, t, h, v.shape[-1])
 
 
-def key_block(length: int) -> int | None:
-    """Slots per key block of :func:`filled_attention` for a window of ``length`` slots (the widest of
-    512, 256 that divides it and leaves at least two blocks), or None: one block (the whole window)."""
-    return next((n for n in (512, 256) if length % n == 0 and length >= 2 * n), None)
-
-
-def blocks_visited(slots: Slots, t: int, length: int) -> jax.Array:
-    """int32 scalar: key blocks :func:`filled_attention` reads for a call of ``t`` tokens, those up
-    to the last slot any row holds after the call (``max(write_at) + t``)."""
-    block = key_block(length) or length
-    used = jnp.max(slots.write_at) + t
-    return jnp.minimum((used + block - 1) // block, length // block).astype(jnp.int32)
-
-
 def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float) -> jax.Array:
-    """:func:`grouped_attention` over the filled part of the window only: key blocks of
-    :func:`key_block` slots, up to the last slot any row has written (``max(write_at) + T``), with an
-    online softmax (flash-attention style; float32 running max, sum and output). The number of
-    blocks is a traced loop bound, so one program serves every fill level and its cost follows the
-    tokens present, not the window. Shapes as :func:`grouped_attention`; ``slots`` gives the mask.
-
-    A row's result does not depend on how many blocks the batch visits (an all-masked block adds
-    exact zeros to a row that has a visible key). A query with no visible key averages the visited
-    slots (its output is never used)."""
+    """:func:`grouped_attention` over the filled part of the window only
+    (``zoo.models.shared.filled_blocks``: key blocks up to the last slot any row has written,
+    ``max(write_at) + T``, online softmax; one program for every fill level, its cost following the
+    tokens present). Shapes as :func:`grouped_attention`; ``slots`` gives the mask."""
     b, t, h, dk = q.shape
     g, length, dv = k.shape[1], k.shape[2], v.shape[-1]
     block = key_block(length)
@@ -149,31 +131,21 @@ def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
         return grouped_attention(q, k, v, attention_mask(slots), scale)
     r = h // g
     qg = q.reshape(b, t, g, r, dk)
-    n_blocks = blocks_visited(slots, t, length)
-    f32_min = jnp.finfo(jnp.float32).min
 
-    def step(i, carry):
-        m, total, acc = carry
-        start = i * block
+    def block_fn(start):
         kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(q.dtype)
         vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2).astype(q.dtype)
         valid = jax.lax.dynamic_slice_in_dim(slots.key_valid, start, block, axis=1)
         slot_ids = start + jnp.arange(block, dtype=jnp.int32)
         mask = valid[:, None, :] & (slot_ids[None, None, :] <= slots.query_slot[:, :, None])     # [B, T, S]
         scores = einsum("btgrd,bgsd->bgrts", qg, kb).astype(jnp.float32) * scale
-        scores = jnp.where(mask[:, None, None], scores, f32_min)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        p = jnp.exp(scores - m_new[..., None])
-        keep = jnp.exp(m - m_new)
         # in q's dtype, as grouped_attention (XLA:CPU has no bf16 x bf16 -> f32 dot for this layout)
-        part = jnp.einsum("bgrts,bgsd->bgrtd", p.astype(q.dtype), vb,
-                          precision=precision_for(q.dtype)).astype(jnp.float32)
-        return m_new, total * keep + p.sum(axis=-1), acc * keep[..., None] + part
+        mix = lambda p: jnp.einsum("bgrts,bgsd->bgrtd", p.astype(q.dtype), vb,            # noqa: E731
+                                   precision=precision_for(q.dtype)).astype(jnp.float32)
+        return jnp.where(mask[:, None, None], scores, F32_MIN), mix
 
-    init = (jnp.full((b, g, r, t), f32_min, jnp.float32), jnp.zeros((b, g, r, t), jnp.float32),
-            jnp.zeros((b, g, r, t, dv), jnp.float32))
-    _, total, acc = jax.lax.fori_loop(0, n_blocks, step, init)
-    out = (acc / total[..., None]).astype(q.dtype)                          # [B, G, R, T, Dv]
+    n_blocks = blocks_visited(slots.write_at, t, length)
+    out = online_softmax(n_blocks, block, block_fn, (b, g, r, t), dv).astype(q.dtype)    # [B, G, R, T, Dv]
     return jnp.moveaxis(out, 3, 1).reshape(b, t, h, dv)
 
 

@@ -1,0 +1,56 @@
+"""Attention over the filled part of a slot cache: key blocks up to the last slot any row holds,
+combined with an online softmax (flash-attention style), shared by Qwen's gated attention and GLM's
+absorbed MLA.
+
+    key_block(L) -> 512 | 256 | None         slots per block (None: the window is under two blocks)
+    blocks_visited(write_at [B], T, L) -> int32 scalar, blocks up to max(write_at) + T
+    online_softmax(n_blocks, block, block_fn, stats_shape, d_out) -> float32 [*stats_shape, d_out]
+        block_fn(start) -> (scores float32 [*stats_shape, S], masked entries at F32_MIN,
+                            mix: p [*stats_shape, S] -> float32 [*stats_shape, d_out])
+
+The block count is a traced loop bound, so one program serves every fill level. A row's result
+does not depend on how many blocks the call visits: an all-masked block adds exact zeros to a row
+that has a visible key (its running max is then real, so ``exp(F32_MIN - max)`` is 0 and the
+rescale ``exp(0)`` is 1). A query with no visible key averages the visited slots.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+F32_MIN = jnp.finfo(jnp.float32).min
+
+
+def key_block(length: int) -> int | None:
+    """Slots per key block for a window of ``length`` slots: the widest of 512, 256 that divides it
+    into at least two blocks, or None (the whole window at once)."""
+    return next((n for n in (512, 256) if length % n == 0 and length >= 2 * n), None)
+
+
+def blocks_visited(write_at: jax.Array, t: int, length: int) -> jax.Array:
+    """int32 scalar: the key blocks a call of ``t`` tokens written at ``write_at [B]`` reads, those up
+    to the last slot any row holds after the call (``max(write_at) + t``)."""
+    block = key_block(length) or length
+    return jnp.minimum((jnp.max(write_at) + t + block - 1) // block, length // block).astype(jnp.int32)
+
+
+def online_softmax(n_blocks: jax.Array, block: int, block_fn: Callable, stats_shape: tuple[int, ...],
+                   d_out: int) -> jax.Array:
+    """``softmax(scores) @ values`` over blocks ``0 .. n_blocks-1`` (see the module docstring), in
+    float32 ``[*stats_shape, d_out]``."""
+
+    def step(i, carry):
+        m, total, acc = carry
+        scores, mix = block_fn(i * block)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        keep = jnp.exp(m - m_new)
+        return m_new, total * keep + p.sum(axis=-1), acc * keep[..., None] + mix(p)
+
+    init = (jnp.full(stats_shape, F32_MIN, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros((*stats_shape, d_out), jnp.float32))
+    _, total, acc = jax.lax.fori_loop(0, n_blocks, step, init)
+    return acc / total[..., None]
