@@ -36,4 +36,7 @@ def __getattr__(name):
     if name == "Model":
         from zoo.api import Model
         return Model
+    if name == "eval":                       # zoo.eval: the output-quality evaluation (a subpackage)
+        import importlib
+        return importlib.import_module("zoo.eval")
     raise AttributeError(f"module 'zoo' has no attribute {name!r}")

@@ -61,3 +61,13 @@ def dequantized(src: GGUFSource, key: str) -> np.ndarray:
 def write_dense_copy(src: GGUFSource, path: Path, metadata) -> Path:
     """Every tensor of ``src`` as F32 holding gguf-dequantized values."""
     return write_gguf(path, src.architecture, metadata, {k: (dequantized(src, k), QType.F32) for k in src.keys()})
+
+
+def write_requantized(src_path: Path, out: Path, qtype_of) -> Path:
+    """A copy of the GGUF ``src_path`` (its metadata, every tensor) with each tensor dequantized by gguf
+    (``dequantized``) and written as ``qtype_of(name, info)``: F32 keeps the values, a block type is
+    gguf's quantizer run on them (only the types it can write: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
+    src = GGUFSource(src_path)
+    arch = GGUFReader(src_path).fields["general.architecture"].contents()
+    tensors = {key: (dequantized(src, key), qtype_of(key, src.info(key))) for key in src.keys()}
+    return write_gguf(out, arch, metadata_of(src_path), tensors)

@@ -8,6 +8,8 @@
     zoo plan | audit ...             memory plan, quantization audit (``zoo.tools.cli``)
     zoo cache build | ls | push | pull   repacked-weight caches and Kaggle datasets (``zoo.cli.cache``)
     zoo compile NAME --target v5e-8      the engine's programs compiled for a target chip (``zoo.cli.compile``)
+    zoo eval base | kld ...              KL divergence, top-1 agreement, perplexity against a reference
+                                         (``zoo.cli.eval``, ``zoo.eval``)
     zoo fit-mtp NAME --out DIR           fit an MTP head to the model as loaded, as an overlay (``zoo.cli.fit_mtp``);
                                          ``serve`` / ``generate --mtp DIR`` apply it
 """
@@ -134,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_cli.add_commands(sub)
     from zoo.cli import fit_mtp
     fit_mtp.add_commands(sub)
+    from zoo.cli import eval as eval_cli
+    eval_cli.add_commands(sub)
     return p
 
 

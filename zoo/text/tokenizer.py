@@ -96,6 +96,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token string -> its id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def backend_json(self) -> str:
         """The ``tokenizers`` JSON of this tokenizer (what llguidance builds its vocabulary from)."""
         return self._tok.to_str()
@@ -121,7 +125,7 @@ class Tokenizer:
         norms = [] if norm is None else norm.get("normalizers", [norm]) if norm.get("type") == "Sequence" else [norm]
         if any(n.get("type") not in ("NFC", "NFD", "NFKC", "NFKD") for n in norms):
             return None
-        longest = max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
+        longest = max(len(piece) for piece in self.vocab())
         return longest * (4 if norms else 1)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
