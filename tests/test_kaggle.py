@@ -51,3 +51,11 @@ def test_plan_for_a_whole_gguf_recipe_needs_the_file():
 def test_fetch_sources_rejects_a_gguf_that_is_not_an_hf_reference():
     with pytest.raises(ValueError, match="expected hf://OWNER/REPO"):
         kaggle.fetch_sources("qwen38-tiny", gguf="/local/file.gguf")
+
+
+def test_eval_text_is_the_file_given_and_a_missing_one_is_named(tmp_path):
+    text = tmp_path / "wiki.test.raw"
+    text.write_text("some text")
+    assert kaggle.eval_text(text) == str(text)
+    with pytest.raises(FileNotFoundError, match="no evaluation text at .*none.txt"):
+        kaggle.eval_text(tmp_path / "none.txt")

@@ -19,7 +19,8 @@ from zoo.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 PACKAGE = Path(zoo.__file__).parent
 # Lowest first: a package may import only packages before it in this list (and itself).
 ORDER = ["configs", "distributed", "text", "images", "formats", "sources", "sharding", "ops", "kernels", "quant",
-         "models", "registry", "loader", "weight_cache", "engine", "tools", "server", "api", "train", "kaggle", "cli"]
+         "models", "registry", "loader", "weight_cache", "engine", "tools", "eval", "server", "api", "train", "kaggle",
+         "cli"]
 TOP = {"__init__", "__main__"}             # the public entry points import lazily from anywhere
 
 

@@ -10,6 +10,7 @@ attached, where a model's sources are, ``zoo serve`` in the background, and what
     local_sources(model) -> Path | None          a registry model's checkpoint if on this machine
     fetch_sources(model, gguf=None) -> Path      download the checkpoint (huggingface_hub) and put the
                                                  recipe's GGUF (a split set: every file) beside it
+    eval_text(path=None) -> str                  the text ``zoo eval`` scores: a file, or wikitext-2's test split
     zoo_command(*args, env=None) -> str          ``python -m zoo ARGS``, its output shown as it comes
                                                  (a notebook does not show a child's own output)
     ZooServer(*args).start()                     ``python -m zoo serve ARGS --port 0`` as a child process;
@@ -173,6 +174,26 @@ def zoo_command(*args: str, env: dict | None = None, check: bool = True, ok: tup
 
 
 # -- the server -----------------------------------------------------------------------------------
+WIKITEXT = ("Salesforce/wikitext", "wikitext-2-raw-v1/test-00000-of-00001.parquet")
+
+
+def eval_text(path: str | Path | None = None, out: str | Path = "/tmp/zoo-eval-text.txt") -> str:
+    """The text ``zoo eval`` scores: ``path`` itself when given; otherwise wikitext-2's test split (the
+    text llama.cpp's users score, ``wiki.test.raw``: its lines in order) downloaded from the Hugging
+    Face Hub and written to ``out``. Returns the file's path."""
+    if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no evaluation text at {path}")
+        return str(path)
+    import pyarrow.parquet as pq  # in Kaggle's images; pip install pyarrow elsewhere
+    from huggingface_hub import hf_hub_download
+
+    parquet = hf_hub_download(WIKITEXT[0], WIKITEXT[1], repo_type="dataset")
+    Path(out).write_text("".join(pq.read_table(parquet, columns=["text"]).column("text").to_pylist()),
+                         encoding="utf-8")
+    return str(out)
+
+
 class ZooServer:
     """``zoo serve ARGS`` in a child process on a free loopback port (or ``--port`` if ARGS give one).
 

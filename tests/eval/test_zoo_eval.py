@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -180,3 +183,17 @@ def test_text_is_tokenized_with_the_models_tokenizer(family, tmp_path):
     np.testing.assert_array_equal(base.windows.ravel(), ids[:base.windows.size])
     report = zoo.eval.kld(family["candidates"]["q4_0"], path, text=text, progress=False)
     assert report.figures["tokens"] == base.windows.shape[0] * (CTX - 1 - CTX // 2)
+
+
+@pytest.mark.parametrize("family", ["qwen"], indirect=True)
+def test_pass_two_on_a_mesh_of_eight_devices_gives_the_same_figures(family):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "zoo", "eval", "kld", str(family["q4_path"]), "--dtype", "float32",
+                           "--mesh", "tp", "--base", str(family["base"]), "--batch", "2", "--json", "--quiet"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    on_mesh = json.loads(done.stdout)["figures"]
+    one = zoo.eval.kld(family["candidates"]["q4_0"], family["base"], progress=False).figures
+    for key in ("kld", "ppl_cand", "ppl_ratio"):
+        assert on_mesh[key]["mean"] == pytest.approx(one[key]["mean"], rel=1e-5), key
+    assert on_mesh["top1"]["mean"] == pytest.approx(one["top1"]["mean"], abs=2 / one["tokens"])

@@ -57,9 +57,13 @@ def test_qwen_notebook_restores_an_attached_dataset(tmp_path):
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-2000:]
     entry = next(dataset.glob("*/manifest.json")).parent
+    text = tmp_path / "eval.txt"
+    text.write_text("the model reads the text and the quant changes what it predicts next. " * 60)
     nb = run_notebook(NOTEBOOKS / "qwen38-27b.ipynb",
                       {**COMMON, "MODEL": "qwen38-tiny", "QUANT": None, "MESH": None, "DEVICES": 1,
-                       "CACHE_DIR": str(cache), "COMPILE_CACHE": str(tmp_path / "programs")}, tmp_path,
+                       "CACHE_DIR": str(cache), "COMPILE_CACHE": str(tmp_path / "programs"),
+                       "EVAL_REFERENCE": {"quant": None, "dtype": "float32"}, "EVAL_TEXT": str(text),
+                       "EVAL_CTX": 64, "EVAL_CHUNKS": 2}, tmp_path,
                       env={"ZOO_CACHE_SEARCH": str(attached)})
     text = outputs_text(nb)
     assert f"restores {entry} (" in text
@@ -68,3 +72,9 @@ def test_qwen_notebook_restores_an_attached_dataset(tmp_path):
     assert re.search(r"MTP speed-up: [0-9.]+x", text)
     assert {r["batch"] for r in sweep_of(text)} == {1, 3}
     assert re.search(r"ready: \d+ programs in [0-9.]+s \(\d+ compiled", text)   # warmed before serving
+    # section 5: the model as stored (bfloat16, the attached cache) against its float32 self, 2 x 31 tokens
+    quality = re.search(r"as stored: mean KL divergence ([0-9.]+) .* top-1 agreement ([0-9.]+)%.* over (\d+) tokens",
+                        text)
+    assert quality and 0 < float(quality[1]) < 0.1 and float(quality[2]) > 50 and quality[3] == "62"
+    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) == 4                           # the plan, the throughput, KL by recipe, KL per token

@@ -20,6 +20,8 @@ from zoo.tools.plots import (
     audit_figure,
     audit_table,
     format_audit_table,
+    kld_distribution_figure,
+    kld_figure,
     per_chip_by_class,
     plan_figure,
     tensor_class,
@@ -156,3 +158,29 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"plots need matplotlib: pip install 'zoo\[notebooks\]'"):
         throughput_figure([])
+
+
+def test_kld_figures_draw_eval_reports(tmp_path):
+    from zoo.eval.figures import figures
+    rng = np.random.default_rng(0)
+    per_token = {}
+    for label, scale in (("Q8_0", 1e-3), ("IQ3_XXS", 5e-2)):
+        n = 400
+        per_token[label] = {"kld": rng.exponential(scale, n), "kld_bound": np.zeros(n),
+                            "base_nll": rng.exponential(2, n), "cand_nll": rng.exponential(2, n),
+                            "same_top": rng.random(n) < 1 - 5 * scale,
+                            "dp_top": rng.normal(0, scale, n), "dp_next": rng.normal(0, scale, n)}
+    reports = {label: figures(pt) for label, pt in per_token.items()}
+    fig = kld_figure(reports)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["Q8_0", "IQ3_XXS"]
+    widths = [p.get_width() for p in ax.patches]
+    assert widths == pytest.approx([reports["Q8_0"]["kld"]["mean"], reports["IQ3_XXS"]["kld"]["mean"]])
+    assert [t.get_text() for t in ax.texts][0] == f"top-1 {100 * reports['Q8_0']['top1']['mean']:.1f}%"
+    assert saved_png(fig, tmp_path) > 10_000
+    fig = kld_distribution_figure({label: pt["kld"] for label, pt in per_token.items()})
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["Q8_0", "IQ3_XXS"]
+    x, y = lines[1].get_data()
+    assert list(x) == sorted(per_token["IQ3_XXS"]["kld"]) and y[0] == 1 and y[-1] == pytest.approx(1 / 400)
+    assert saved_png(fig, tmp_path) > 10_000

@@ -7,6 +7,8 @@
     per_chip_by_class(plan) -> {cls: int}          bytes one chip holds, by the plan's tensor class
     plan_figure(plan, budget_bytes=None) -> Figure     those bytes as horizontal bars, in GiB
     throughput_figure(results) -> Figure           decode tokens/s against batch size, one line per label
+    kld_figure(reports) -> Figure                  zoo eval: mean and p99 KL divergence by recipe
+    kld_distribution_figure(per_token) -> Figure   zoo eval: the per-token KL divergence, one curve per recipe
 
 ``rows`` are ``zoo.tools.audit.AuditRow`` or their dicts (``dataclasses.asdict``, as ``zoo audit
 --json`` writes them under ``"rows"``). A tensor's class is its GGUF name without ``blk.N.`` and
@@ -22,6 +24,9 @@ points whose metric is not a positive number (an exact copy, e.g. an F32 norm, h
 which a log axis cannot show). The plan's tensor class is ``Tensor.cls`` (``routed_experts``,
 ``attention``, ...), the classes of ``Plan.by_class``; ``plan_figure``'s bars are per-chip bytes.
 ``throughput_figure``'s ``results`` are dicts ``{"label": str, "batch": int, "tokens_per_s": float}``.
+``kld_figure``'s ``reports`` map a label (a recipe) to ``zoo eval kld``'s figures (``Report.figures``, or
+the ``"figures"`` of its ``--json``); ``kld_distribution_figure``'s ``per_token`` map a label to the
+per-token KL divergences (``Report.per_token["kld"]``, or ``--per-token``'s ``kld``).
 
 Every figure is a ``matplotlib.figure.Figure`` made with the object API (no pyplot state): save it
 with ``fig.savefig(path)``, or show it with ``IPython.display.display(fig)`` in a notebook.
@@ -179,4 +184,43 @@ def throughput_figure(results: list[dict]):
     ax.grid(True, alpha=0.3)
     if lines:
         ax.legend()
+    return fig
+
+
+def kld_figure(reports: dict[str, dict]):
+    """Mean KL divergence (bars, ± one standard error) and its 99th percentile (markers) by recipe,
+    on a log axis, with each recipe's top-1 agreement written beside its bar."""
+    fig, ax = _figure((7, 0.6 * max(len(reports), 2) + 1.5))
+    labels = list(reports)
+    mean = [reports[k]["kld"]["mean"] for k in labels]
+    err = [reports[k]["kld"]["stderr"] for k in labels]
+    bars = ax.barh(labels, mean, xerr=err, color="C0", label="mean")
+    ax.plot([reports[k]["kld"]["p99"] for k in labels], labels, "D", color="C3", label="99th percentile")
+    ax.bar_label(bars, labels=[f"top-1 {100 * reports[k]['top1']['mean']:.1f}%" for k in labels], padding=4,
+                 fontsize="small")
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("KL divergence from the reference (nats per token)")
+    ax.set_title("what each recipe costs in output")
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+    ax.margins(x=0.3)
+    return fig
+
+
+def kld_distribution_figure(per_token: dict[str, np.ndarray]):
+    """The share of tokens whose KL divergence is at least x (log x), one curve per label: where the
+    curves part is where the recipes differ, the right tail is the tokens a recipe gets badly wrong."""
+    fig, ax = _figure((7, 4.5))
+    for i, (label, kld) in enumerate(per_token.items()):
+        x = np.sort(np.maximum(np.asarray(kld, np.float64), 1e-12))
+        ax.step(x, 1 - np.arange(len(x)) / len(x), where="post", color=f"C{i % 10}", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("KL divergence (nats)")
+    ax.set_ylabel("share of tokens at or above")
+    ax.set_title("per-token KL divergence")
+    ax.grid(True, which="both", alpha=0.3)
+    if per_token:
+        ax.legend(fontsize="small")
     return fig
