@@ -189,22 +189,23 @@ def throughput_figure(results: list[dict]):
 
 def kld_figure(reports: dict[str, dict]):
     """Mean KL divergence (bars, ± one standard error) and its 99th percentile (markers) by recipe,
-    on a log axis, with each recipe's top-1 agreement written beside its bar."""
-    fig, ax = _figure((7, 0.6 * max(len(reports), 2) + 1.5))
+    on a log axis, with each recipe's top-1 agreement written to the right of the axes."""
+    fig, ax = _figure((8, 0.6 * max(len(reports), 2) + 1.5))
     labels = list(reports)
     mean = [reports[k]["kld"]["mean"] for k in labels]
     err = [reports[k]["kld"]["stderr"] for k in labels]
-    bars = ax.barh(labels, mean, xerr=err, color="C0", label="mean")
+    ax.barh(labels, mean, xerr=err, color="C0", label="mean")
     ax.plot([reports[k]["kld"]["p99"] for k in labels], labels, "D", color="C3", label="99th percentile")
-    ax.bar_label(bars, labels=[f"top-1 {100 * reports[k]['top1']['mean']:.1f}%" for k in labels], padding=4,
-                 fontsize="small")
+    right = ax.get_yaxis_transform()                          # x in axes fractions, y in data: beside the axes
+    for y, k in enumerate(labels):
+        ax.text(1.02, y, f"top-1 {100 * reports[k]['top1']['mean']:.1f}%", transform=right, va="center",
+                fontsize="small")
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("KL divergence from the reference (nats per token)")
     ax.set_title("what each recipe costs in output")
     ax.grid(True, axis="x", which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize="small")
-    ax.margins(x=0.3)
     return fig
 
 
