@@ -138,3 +138,15 @@ def test_a_failed_step_fails_the_batch_which_is_rebuilt(model, solo):
     assert gen.faults["failed_steps"] == 1 and gen.faults["failed_requests"] == 2
     again = run(gen, "ab")
     assert again["a"].tokens == solo["a"] and again["b"].tokens == solo["b"]
+
+
+def test_zoo_generate_exits_non_zero_when_the_engine_fails_its_request(monkeypatch, capsys):
+    """The command's exit status says whether the work was done (it was 0 after an out-of-memory)."""
+    from zoo.cli import main
+
+    def out_of_memory(self, req):
+        raise RuntimeError("Out of memory allocating 51570468368 bytes")
+
+    monkeypatch.setattr(Generator, "_lookup", out_of_memory)
+    assert main(["generate", "--model", "qwen38-tiny", "--prompt", "What is 2 + 3?", "--max-tokens", "4"]) == 1
+    assert "zoo generate: error: RuntimeError: Out of memory allocating 51570468368 bytes" in capsys.readouterr().err

@@ -57,6 +57,9 @@ def _generate(args) -> int:
     print()
     n, first = len(req.tokens), shown["first"] or end
     decode_rate = (n - 1) / (end - first) if n > 1 else 0.0
+    if req.finish_reason == "error":              # the engine ended the request: the command failed
+        print(f"zoo generate: error: {req.stats.get('error', 'the request failed')}", file=sys.stderr)
+        return 1
     print(f"[zoo] {n} tokens in {end - t1:.2f}s (first token {first - t1:.2f}s, decode {decode_rate:.1f} tok/s, "
           f"{req.stats['steps']} decode steps, finish: {req.finish_reason})", file=sys.stderr)
     if args.spec:
