@@ -1,7 +1,9 @@
 """A whole-model program decodes each quantized weight just before its matmul (``zoo.ops.matmul.decode_after``):
 compiled for the CPU, a deep and narrow Qwen3.8 (24 layers at hidden 256, every matmul weight
 quantized) holds at most about two layers' decoded weights in temporaries, where XLA, left alone,
-decodes every layer's up front (on a 27B model: 51.6 GB of temporaries against 14.6 GB of weights)."""
+decodes every layer's up front (on a 27B model: 51.6 GB of temporaries against 14.6 GB of weights):
+the full forward (Q8_0 blocks) and the server's decode step as ``zoo compile --target cpu`` reports it
+(int8)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.support.paths import ROOT
 from zoo.api import _full_forward
 from zoo.quant.int8 import Int8Weight
 from zoo.quant.qarray import QArray
+from zoo.tools.compile_report import compile_report, table
 
 LAYERS = 24
 
@@ -44,9 +47,8 @@ def decoded_bytes_per_layer(state) -> int:
     return total // LAYERS
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "int8"])
-def test_a_whole_model_program_holds_about_one_layer_of_decoded_weights(deep_narrow, quant):
-    model = zoo.load(deep_narrow, quant=quant, weights=False)
+def test_a_whole_model_program_holds_about_one_layer_of_decoded_weights(deep_narrow):
+    model = zoo.load(deep_narrow, quant="Q8_0", weights=False)
     graphdef, state = nnx.split(model.module)
     per_layer = decoded_bytes_per_layer(state)
     assert per_layer > 1_000_000                           # the layers' weights are quantized (~1.5 MB decoded)
@@ -55,3 +57,16 @@ def test_a_whole_model_program_holds_about_one_layer_of_decoded_weights(deep_nar
     compiled = jax.jit(functools.partial(_full_forward, graphdef)).lower(state, ids, mask).compile()
     temporaries = compiled.memory_analysis().temp_size_in_bytes
     assert temporaries <= 2 * per_layer, (temporaries, per_layer)     # every layer's would be 24x
+
+
+def test_zoo_compile_reports_the_servers_decode_step_on_the_cpu_within_two_layers(deep_narrow):
+    """The same bound for the server's own decode step (int8 weights, 4 rows), as ``zoo compile
+    --target cpu`` reports it (without the barrier: 102 MB of temporaries on the 48-layer model)."""
+    report = compile_report(deep_narrow, quant="int8", target="cpu", batch=4, context=256, programs=("decode",),
+                            spec_tokens=0)
+    model = zoo.load(deep_narrow, quant="int8", weights=False)
+    per_layer = decoded_bytes_per_layer(nnx.split(model.module)[1])
+    (decode,) = report["programs"]
+    assert report["target"] == "cpu" and report["ok"] and "roofline" not in decode
+    assert 0 < decode["temporaries"] <= 2 * per_layer, (decode["temporaries"], per_layer)
+    assert "decode B=4" in table(report)

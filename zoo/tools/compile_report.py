@@ -18,6 +18,12 @@ also those the program does not read) and the batch-state bytes (cache, carry, s
     margin  = usable HBM - total          (usable HBM: what the compiler itself says it has,
                                            read from its out-of-memory message for an oversized probe)
 
+The ``cpu`` target compiles for this machine's CPU devices (all of them, e.g. 8 with
+``--xla_force_host_platform_device_count=8``) with the jnp kernels a CPU runs; its "usable HBM" is
+this host's RAM shared by those devices, and it has no roofline. It answers whether a model's
+programs fit a host: their temporaries (a quantized weight is decoded just before its matmul,
+``zoo.ops.matmul.decode_after``) on top of the weights.
+
 Also the compile time, the number of Pallas calls in the program (``tpu_custom_call`` in the
 compiled HLO) and the XLA cost model's flops and bytes accessed. A program the compiler rejects for
 lack of HBM is reported with what it needed (``error``, ``required``, ``fits`` False), not raised.
@@ -73,6 +79,7 @@ TARGETS = {t.name: t for t in [
     Target("v5e-8", "tpu", "v5e:2x4", "v5litepod-8", "tpu"),
     Target("v6e-8", "tpu", "v6e:2x4", "v6e-8", "tpu"),
     Target("v5p-8", "tpu", "v5p:2x2x1", "v5p-8", "tpu"),
+    Target("cpu", "cpu", "host", "", "reference"),
 ]}
 
 
@@ -84,7 +91,9 @@ def get_target(name: str) -> Target:
 
 
 def target_devices(target: Target) -> list:
-    """The target's abstract devices (libtpu's ahead-of-time topology)."""
+    """The target's abstract devices (libtpu's ahead-of-time topology); for ``cpu``, this host's."""
+    if target.platform == "cpu":
+        return jax.devices("cpu")
     from jax.experimental import topologies
 
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
@@ -120,7 +129,10 @@ def _usable_hbm(devices: tuple) -> int:
 
 
 def usable_hbm(mesh: Mesh) -> int:
-    """Bytes of HBM per chip the compiler lets a program use (from its own out-of-memory message)."""
+    """Bytes of HBM per chip the compiler lets a program use (from its own out-of-memory message); on
+    CPU devices, this host's RAM divided among them."""
+    if mesh.devices.flat[0].platform == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // mesh.devices.size
     return _usable_hbm(tuple(mesh.devices.flat))
 
 
@@ -228,8 +240,9 @@ class _Session:
             weights_resident=self.weights, batch_state=batch_state, usable=self.usable, compile_s=seconds,
             pallas_calls=pallas, flops=float(cost.get("flops", -1)),
             bytes_accessed=float(cost.get("bytes accessed", -1))).to_dict()
-        report["roofline"] = roofline(read, batch_state, calls, cost, self.target.name.split("-")[0])
-        report["roofline"]["xla"]["traffic"] = dict(traffic(text)[0])
+        if self.target.platform == "tpu":          # HBM bandwidths are known for TPU chips only
+            report["roofline"] = roofline(read, batch_state, calls, cost, self.target.name.split("-")[0])
+            report["roofline"]["xla"]["traffic"] = dict(traffic(text)[0])
         return report
 
 
@@ -349,6 +362,8 @@ def table(report: dict) -> str:
                     f"{p['pallas_calls']:6d} {p['compile_s']:7.1f}s" + verdict)
     if report.get("prefill_chunk") is not None:
         rows.append(f"prefill chunk chosen: {report['prefill_chunk']} tokens")
+    if not any("roofline" in p for p in report["programs"]):
+        return "\n".join(rows)
     rows += ["", f"roofline per chip (ms; Pallas grid step overhead {1e6 * _overhead(report):.2f} us assumed; "
              "xla acc = XLA's bytes accessed, of which prefetch into VMEM (counted ~4x) and relayout copies)",
              f"{'program':38s} {'must read':>9s} {'floor':>7s} {'steps':>7s} {'kernels':>8s} {'k/floor':>7s} "
