@@ -13,10 +13,13 @@
                        into the model's placeholder text (one pad token) and gives the images in the
                        order the rendered prompt holds them (a template may reorder or drop turns)
 
-The ImageSpec of a model: the checkpoint's ``preprocessor_config.json`` (``model.load_info["path"]``)
-when it has one (``ImageSpec.from_hf_preprocessor_config``); else the family's HF class defaults
-(pixel bounds, mean/std, resampling) with the vision config's patch_size, temporal_patch_size and
-spatial_merge_size. The family is the ``image_family`` of ``config.arch``'s row of the architecture
+The ImageSpec of a model: the image processor settings of the checkpoint directory
+(``model.load_info["path"]``; ``processor_settings``: transformers 5's ``processor_config.json``,
+whose ``"image_processor"`` entry holds them, else a flat ``preprocessor_config.json``), read by
+``ImageSpec.from_hf_preprocessor_config``; an unreadable one is an error. Without either (a GGUF, or
+a directory saved without its processor) the family's HF class defaults (pixel bounds, mean/std,
+resampling) with the vision config's patch_size, temporal_patch_size and spatial_merge_size, and a
+warning in the log saying so. The family is the ``image_family`` of ``config.arch``'s row of the architecture
 table (``zoo.models.architectures``).
 
 Every refusal is an ``ApiError`` 400 naming the part (``messages[0].content[1]``) and the problem:
@@ -85,19 +88,54 @@ def model_spec(model) -> ImageSpec:
         raise ValueError(f"images: no image preprocessing is known for architecture {getattr(cfg, 'arch', None)!r}")
     v = cfg.vision
     path = (getattr(model, "load_info", None) or {}).get("path")
-    pre = Path(path) / "preprocessor_config.json" if path else None
-    if pre is not None and pre.is_file():
-        spec = ImageSpec.from_hf_preprocessor_config(json.loads(pre.read_text()), row.image_family)
+    found = processor_settings(Path(path)) if path and Path(path).is_dir() else None
+    if found is not None:
+        settings, where = found
+        try:
+            spec = ImageSpec.from_hf_preprocessor_config(settings, row.image_family)
+        except ValueError as e:
+            raise ValueError(f"images: {where}: {e}") from None
     else:            # the family's class defaults (every key missing) but the tower's patch sizes
         tower_sizes = {"patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
                        "merge_size": v.spatial_merge_size}
         spec = ImageSpec.from_hf_preprocessor_config(tower_sizes, row.image_family)
+        log.warning("images: %s has no processor_config.json or preprocessor_config.json: images are prepared "
+                    "with HF's %s class defaults (pixel bounds, mean and std) and the tower's patch sizes %s",
+                    path, row.image_family, (v.patch_size, v.temporal_patch_size, v.spatial_merge_size))
     tower = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
     if (spec.patch_size, spec.temporal_patch_size, spec.merge_size) != tower:
-        raise ValueError(f"images: preprocessor_config.json (patch, temporal, merge) = "
+        raise ValueError(f"images: the processor config's (patch, temporal, merge) = "
                          f"{(spec.patch_size, spec.temporal_patch_size, spec.merge_size)} differs from the vision "
                          f"tower's {tower}")
     return spec
+
+
+def processor_settings(directory: Path) -> tuple[dict, Path] | None:
+    """The image processor's settings a checkpoint directory holds, found as transformers finds them:
+    the ``"image_processor"`` entry of ``processor_config.json`` (transformers 5 saves the whole
+    processor there), else a flat ``preprocessor_config.json``; with the file they came from. None
+    when the directory has neither; a file that cannot be read as JSON, or whose settings are not an
+    object, is a ``ValueError`` naming it (never the defaults in silence)."""
+    def read(f: Path):
+        try:
+            return json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"images: cannot read {f}: {e}") from None
+
+    nested = directory / "processor_config.json"
+    if nested.is_file():
+        processor = read(nested)
+        if isinstance(processor, dict) and "image_processor" in processor:
+            if not isinstance(processor["image_processor"], dict):
+                raise ValueError(f"images: {nested}: its \"image_processor\" is not an object")
+            return processor["image_processor"], nested
+    flat = directory / "preprocessor_config.json"
+    if flat.is_file():
+        settings = read(flat)
+        if not isinstance(settings, dict):
+            raise ValueError(f"images: {flat} is not a JSON object")
+        return settings, flat
+    return None
 
 
 @dataclass(frozen=True)
