@@ -17,7 +17,8 @@ def claude_code_request(**overrides) -> CountRequest:
     """The shape of Claude Code 2.1's first request (texts shortened)."""
     body = {
         "model": "claude-opus-5-5",
-        "system": [{"type": "text", "text": "billing header;"},
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.37.3a1; cc_entrypoint=cli; "
+                                            "cch=5f0e1;"},
                    {"type": "text", "text": "You are an agent.", "cache_control": EPHEMERAL}],
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "<system-reminder>r</system-reminder>"},
@@ -39,11 +40,25 @@ def claude_code_request(**overrides) -> CountRequest:
 def test_system_messages_inside_messages_join_the_user_turn():
     body = claude_code_request()
     messages, prefill, referenced = template_messages(body)
-    assert messages == [{"role": "system", "content": "billing header;You are an agent."},
+    assert messages == [{"role": "system", "content": "You are an agent."},         # the billing header dropped
                         {"role": "user", "content": "<system-reminder>r</system-reminder>Say hello\n\n# Environment"}]
     assert prefill == "" and referenced == []
     assert reasoning_effort(body) == "low"                                 # the system message's per-turn effort wins
     assert reasoning_effort(claude_code_request(messages=body.model_dump()["messages"][:1])) == "medium"
+
+
+def test_the_billing_header_is_not_part_of_the_prompt():
+    """Claude Code's first system block is billing metadata, some versions with a per-request hash
+    (``cch=``): two turns that differ only there render the same prompt (the prefix cache holds)."""
+    one, two = (claude_code_request(system=[{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; "
+                                                                    f"cch={h};"},
+                                            {"type": "text", "text": "You are an agent."}]) for h in ("a1", "b2"))
+    assert template_messages(one)[0] == template_messages(two)[0]
+    assert template_messages(one)[0][0] == {"role": "system", "content": "You are an agent."}
+    only = claude_code_request(system="x-anthropic-billing-header: cc_version=2.1;")
+    assert template_messages(only)[0][0]["role"] == "user"                 # nothing else: no system turn at all
+    kept = claude_code_request(system="Mention x-anthropic-billing-header: in the answer.")
+    assert template_messages(kept)[0][0]["content"] == "Mention x-anthropic-billing-header: in the answer."
 
 
 def test_fold_system_messages():

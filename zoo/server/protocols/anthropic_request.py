@@ -287,13 +287,27 @@ def _text(blocks: list, where: str) -> str:
     return "".join(b.text for b in blocks)
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def system_text(system: str | list[TextBlock] | None) -> str:
+    """The request's system prompt as the model sees it: its text blocks joined, less Claude Code's
+    billing header (a first block ``x-anthropic-billing-header: cc_version=...; cch=...;``). It is
+    client metadata, not instructions, and some versions put a per-request hash in it, which would
+    make every turn's prompt differ from its first token on and defeat the prefix cache."""
+    if system is None:
+        return ""
+    blocks = [system] if isinstance(system, str) else [b.text for b in system]
+    return "".join(t for t in blocks if not t.lstrip().startswith(BILLING_HEADER))
+
+
 def template_messages(body: CountRequest, images=None) -> tuple[list[dict], str, list[str]]:
     """Anthropic messages -> the chat templates' form; the trailing assistant text (a prefill); the
     tools named by ``tool_reference`` blocks. ``images`` (``image_inputs.ImageParts``) collects the
-    image blocks of user turns and tool results (None: they are a 400)."""
-    system = body.system
-    out = [{"role": "system", "content": system if isinstance(system, str) else "".join(b.text for b in system)}
-           ] if system else []
+    image blocks of user turns and tool results (None: they are a 400). The system prompt is
+    ``system_text``'s."""
+    system = system_text(body.system)
+    out = [{"role": "system", "content": system}] if system else []
     prefill, referenced = "", []
     if not any(m.role != "system" for m in body.messages):
         raise ApiError(400, "messages: at least one user or assistant message is needed")
