@@ -168,6 +168,9 @@ def test_max_output_tokens_makes_an_incomplete_response(server):
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": []}, 400, "input"),
     ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata: at most 16 key-value pairs"),
+    ({"input": "hi", "metadata": {"k" * 65: "v"}}, 400, "metadata: keys are at most 64 characters"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, 400, "metadata: values are at most 512 characters"),
 ])
 def test_errors_use_the_openai_schema(server, body, status, where):
     r = httpx.post(server.url + "/v1/responses", json={"model": "tiny", **body}, timeout=60,
@@ -180,4 +183,9 @@ def test_errors_use_the_openai_schema(server, body, status, where):
 def test_unknown_response_and_missing_key(server):
     r = httpx.get(server.url + "/v1/responses/resp_missing", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 404 and "resp_missing" in r.json()["error"]["message"]
+    long_id = "resp_" + "x" * 100_000                     # not echoed whole
+    r = httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": "hi", "previous_response_id": long_id},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 404 and "(100005 characters)" in r.json()["error"]["message"]
+    assert len(r.content) < 1000
     assert httpx.post(server.url + "/v1/responses", json={"input": "hi"}, timeout=60).status_code == 401

@@ -3,6 +3,8 @@ become the chat template's messages and tools (no server, no model)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from zoo.server.protocols.responses_request import ResponsesRequest, function_tools, template_messages, tool_choice
@@ -92,3 +94,20 @@ def test_malformed_tools_are_a_400(tools, choice, where):
     with pytest.raises(ApiError) as e:
         tool_choice(body, function_tools(body)[0])
     assert e.value.status == 400 and e.value.message.startswith(where), e.value.message
+
+
+def test_the_response_store_is_bounded_in_entries_and_in_bytes():
+    from zoo.server.protocols.responses_api import ResponseStore
+
+    store = ResponseStore(limit=3, max_bytes=10_000)
+    item = [{"role": "user", "content": "x" * 2000}]
+    for i in range(4):
+        store.put(f"r{i}", item, {"id": f"r{i}"})
+    assert store.get("r0") is None and store.get("r1") is not None          # the entry bound, oldest first
+    store.put("big", [{"role": "user", "content": "y" * 7000}], {"id": "big"})   # the byte bound: r2, r3 go
+    assert [store.get(k) is not None for k in ("r1", "r2", "r3", "big")] == [True, False, False, True]   # r1: read
+    assert store.bytes <= 10_000
+    store.put("huge", [{"role": "user", "content": "z" * 20_000}], {"id": "huge"})   # larger than the bound: not kept
+    assert store.get("huge") is None and store.get("big") is not None
+    store.put("big", item, {"id": "big"})                                    # replacing counts the new size only
+    assert store.bytes == len(json.dumps(item)) + len(json.dumps({"id": "big"}))

@@ -19,7 +19,8 @@ response.function_call_arguments.delta / .done), response.output_item.done; then
 response.completed, or response.incomplete (the output cut at ``max_output_tokens`` or the context:
 ``incomplete_details.reason`` "max_output_tokens"), or response.failed; ``: keep-alive`` comments
 while silent. A stored response (``store``, the default) is kept in a bounded in-memory store (the
-last ``STORE_LIMIT``) for ``previous_response_id``: its conversation (input and output items)
+last ``STORE_LIMIT``, at most ``STORE_BYTES`` of JSON) for ``previous_response_id``: its conversation
+(input and output items)
 comes before the new input. ``parallel_tool_calls`` false keeps the first call only. Errors use
 OpenAI's schema. ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` 0..20) fills
 the output_text part's ``logprobs`` (every generated token, reasoning included, in order; each
@@ -55,28 +56,37 @@ from zoo.text.tool_calls import ToolCallArgs, ToolCallEnd, ToolCallStart
 
 router = APIRouter()
 LOGPROBS = "message.output_text.logprobs"     # the ``include`` value asking for them
-STORE_LIMIT = 256          # stored responses kept for previous_response_id (the oldest go first)
+STORE_LIMIT = 256          # stored responses kept for previous_response_id (the least recently used go first)
+STORE_BYTES = 256 << 20    # and at most this many bytes of them (their JSON)
+SHOWN_ID_CHARS = 64        # of an unknown id, this much is echoed in the 404
 
 
 class ResponseStore:
-    """The last ``limit`` stored responses: each one's conversation items (its input, after those of
-    the response it continued, and its output) and its response object."""
+    """The last ``limit`` stored responses, at most ``max_bytes`` of them (their JSON size): each one's
+    conversation items (its input, after those of the response it continued, and its output) and its
+    response object. A response larger than ``max_bytes`` alone is not kept."""
 
-    def __init__(self, limit: int = STORE_LIMIT):
-        self.limit = limit
-        self._entries: collections.OrderedDict[str, tuple[list[dict], dict]] = collections.OrderedDict()
+    def __init__(self, limit: int = STORE_LIMIT, max_bytes: int = STORE_BYTES):
+        self.limit, self.max_bytes, self.bytes = limit, max_bytes, 0
+        self._entries: collections.OrderedDict[str, tuple[list[dict], dict, int]] = collections.OrderedDict()
 
     def put(self, response_id: str, items: list[dict], response: dict) -> None:
-        self._entries[response_id] = (items, response)
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.limit:
-            self._entries.popitem(last=False)
+        size = len(json.dumps(items)) + len(json.dumps(response))
+        old = self._entries.pop(response_id, None)
+        self.bytes -= old[2] if old else 0
+        if size > self.max_bytes:
+            return
+        self._entries[response_id] = (items, response, size)
+        self.bytes += size
+        while len(self._entries) > self.limit or self.bytes > self.max_bytes:
+            self.bytes -= self._entries.popitem(last=False)[1][2]
 
     def get(self, response_id: str) -> tuple[list[dict], dict] | None:
         entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        if entry is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return entry[0], entry[1]
 
 
 def response_store(app) -> ResponseStore:
@@ -89,8 +99,10 @@ def response_store(app) -> ResponseStore:
 
 def _not_found(response_id: str, param: str | None = None) -> ApiError:
     where = f"{param}: " if param else ""
-    return ApiError(404, f"{where}response {response_id!r} not found (this server keeps the last {STORE_LIMIT} "
-                         "stored responses, in memory)", param=param,
+    shown = response_id if len(response_id) <= SHOWN_ID_CHARS else \
+        f"{response_id[:SHOWN_ID_CHARS]}... ({len(response_id)} characters)"
+    return ApiError(404, f"{where}response {shown!r} not found (this server keeps the last {STORE_LIMIT} "
+                         f"stored responses, up to {STORE_BYTES >> 20} MiB, in memory)", param=param,
                     code="previous_response_not_found" if param else None)
 
 

@@ -96,6 +96,27 @@ class TextConfig(_Body):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512     # OpenAI's documented limits
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """``metadata`` within OpenAI's limits: at most 16 pairs, keys of at most 64 characters, values
+    of at most 512 (more is a 400 naming the limit; the store keeps what it is given)."""
+    if value is None:
+        return None
+    if len(value) > METADATA_KEYS:
+        raise PydanticCustomError("metadata", "at most {n} key-value pairs, got {got}",
+                                  {"n": METADATA_KEYS, "got": len(value)})
+    for key, item in value.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise PydanticCustomError("metadata", "keys are at most {n} characters, got one of {got}",
+                                      {"n": METADATA_KEY_CHARS, "got": len(key)})
+        if len(item) > METADATA_VALUE_CHARS:
+            raise PydanticCustomError("metadata", "values are at most {n} characters, got one of {got}",
+                                      {"n": METADATA_VALUE_CHARS, "got": len(item)})
+    return value
+
+
 class ResponsesRequest(_Body):
     model: str = ""
     input: str | list[dict] = Field(min_length=1)
@@ -117,6 +138,11 @@ class ResponsesRequest(_Body):
     text: TextConfig | None = None
     background: bool | None = None
     conversation: str | dict | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value):
+        return check_metadata(value)
 
     @property
     def summary(self) -> bool:
