@@ -110,4 +110,5 @@ def test_the_response_store_is_bounded_in_entries_and_in_bytes():
     store.put("huge", [{"role": "user", "content": "z" * 20_000}], {"id": "huge"})   # larger than the bound: not kept
     assert store.get("huge") is None and store.get("big") is not None
     store.put("big", item, {"id": "big"})                                    # replacing counts the new size only
-    assert store.bytes == len(json.dumps(item)) + len(json.dumps({"id": "big"}))
+    assert store.bytes == sum(len(json.dumps(items)) + len(json.dumps(response))
+                              for items, response in (store.get("r1"), store.get("big")))
