@@ -68,21 +68,29 @@ def _token_ids(service, body: TokenizeRequest) -> list[int]:
     return service.with_images(ids, images)[0]
 
 
-@router.post("/tokenize")
-async def tokenize(request: Request):
-    service = request.app.state.service
-    body = parse_body(TokenizeRequest, await request.body())
+def _tokenize(service, raw: bytes) -> dict:
+    body = parse_body(TokenizeRequest, raw)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of 'prompt' (a text) and 'messages' (a chat)",
                        param="messages" if body.messages is not None else "prompt")
-    ids = await run_in_threadpool(_token_ids, service, body)
+    ids = _token_ids(service, body)
     strs = [service.logprob_renderer.piece(t)[0] for t in ids] if body.return_token_strs else None
     return {"tokens": ids, "count": len(ids), "max_model_len": service.context, "token_strs": strs}
 
 
-@router.post("/detokenize")
-async def detokenize(request: Request):
-    service = request.app.state.service
-    body = parse_body(DetokenizeRequest, await request.body())
+def _detokenize(service, raw: bytes) -> dict:
+    body = parse_body(DetokenizeRequest, raw)
     service.check_token_ids(body.tokens, "tokens")
     return {"prompt": service.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+# Both run in a worker thread, parsing included: a body of millions of tokens takes seconds, and the
+# event loop (``/health``, every stream) must not wait for it.
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    return await run_in_threadpool(_tokenize, request.app.state.service, await request.body())
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    return await run_in_threadpool(_detokenize, request.app.state.service, await request.body())
