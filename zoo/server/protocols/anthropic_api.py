@@ -31,7 +31,7 @@ router = APIRouter()
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
-    body = parse_body(CountRequest, await request.body())
+    body = await run_in_threadpool(parse_body, CountRequest, await request.body())   # tool schemas: off the loop
     return {"input_tokens": len((await run_in_threadpool(render_prompt, request.app.state.service, body)).ids)}
 
 
@@ -65,7 +65,7 @@ def _start_usage(job, prompt) -> dict:
 @router.post("/v1/messages")
 async def messages(request: Request):
     service = request.app.state.service
-    body = parse_body(MessagesRequest, await request.body())
+    body = await run_in_threadpool(parse_body, MessagesRequest, await request.body())
     prompt = await run_in_threadpool(render_prompt, service, body)   # rendering + tokenizing: off the event loop
     thinking = body.thinking
     budget = thinking.budget_tokens if thinking is not None and thinking.type == "enabled" else None

@@ -290,7 +290,7 @@ async def get_model(model_id: str, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     service = request.app.state.service
-    body = parse(ChatRequest, await request.body())
+    body = await run_in_threadpool(parse, ChatRequest, await request.body())     # tool schemas checked off the loop
     output = body.output_grammar()
     choice, name = _tool_choice(body)
     if body.top_logprobs is not None and not body.logprobs:
@@ -431,7 +431,7 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
 @router.post("/v1/completions")
 async def completions(request: Request):
     service = request.app.state.service
-    body = parse(CompletionRequest, await request.body())
+    body = await run_in_threadpool(parse, CompletionRequest, await request.body())
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.max_tokens == 0 and not body.echo:

@@ -297,7 +297,7 @@ def _render(service, body: ResponsesRequest, prior: list[dict]):
 async def create_response(request: Request):
     service = request.app.state.service
     store = response_store(request.app)
-    body = parse_body(ResponsesRequest, await request.body())
+    body = await run_in_threadpool(parse_body, ResponsesRequest, await request.body())
     check_supported(body)
     prior: list[dict] = []
     if body.previous_response_id:
