@@ -12,6 +12,7 @@ import base64
 import http.server
 import inspect
 import json
+import re
 import threading
 import time
 import zlib
@@ -211,14 +212,37 @@ def test_anthropic_count_tokens_counts_image_tokens(mm):
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
-    """/a.png: a PNG; /slow.png: the PNG after 2 s; /missing.png: 404."""
+    """/a.png: a PNG; /slow.png: the PNG after 2 s; /drip.png: 40 bytes, one every 0.2 s (how many
+    were sent before the client hung up: ``drip_sent``); /missing.png: 404; /text: not an image;
+    /to-a.png: a redirect to /a.png."""
+    drip_sent: list[int] = []
+
     def do_GET(self):
         if self.path == "/missing.png":
             self.send_error(404)
             return
+        if self.path == "/to-a.png":
+            self.send_response(302)
+            self.send_header("Location", "/a.png")
+            self.end_headers()
+            return
         if self.path == "/slow.png":
             time.sleep(2)
-        body = png()
+        body = b"not an image" if self.path == "/text" else png()
+        if self.path == "/drip.png":
+            self.send_response(200)
+            self.end_headers()
+            sent = 0
+            try:
+                for byte in body[:40]:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    sent += 1
+                    time.sleep(0.2)
+            except OSError:                  # the client hung up
+                pass
+            _Images.drip_sent.append(sent)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "image/png")
         self.send_header("Content-Length", str(len(body)))
@@ -237,21 +261,50 @@ def test_image_urls_are_fetched_only_when_allowed_within_a_timeout_and_a_cap(mm)
     threading.Thread(target=site.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{site.server_address[1]}"
     try:
-        def fetch(path: str, **policy):
-            parts = ImageParts(vision, ImagePolicy(allow_urls=True, **policy))
+        def fetch(path: str, *, private: bool = True, **policy):
+            parts = ImageParts(vision, ImagePolicy(allow_urls=True, allow_private_urls=private, **policy))
             sentinel = parts.add_url(base + path, "messages[0].content[0].image_url.url")
             assert parts.substitute(f"a {sentinel} b") == f"a {vision.placeholder} b"
             return vision.prepare(parts.order, parts.policy)
 
         [image] = fetch("/a.png")
         assert image.n_tokens == 35 and image.grid == (1, 10, 14)
-        with pytest.raises(ApiError, match=r"image_url.url: image too large: the URL announces \d+ bytes"):
-            fetch("/a.png", max_url_bytes=100)
-        with pytest.raises(ApiError, match="HTTP 404"):
-            fetch("/missing.png")
-        with pytest.raises(ApiError, match="took longer than 0.5s|timed out"):
-            fetch("/slow.png", url_timeout_s=0.5)
+        assert fetch("/to-a.png")[0].n_tokens == 35                       # a redirect is followed
+        # every failure is the same 400 (no port scanner): a loopback address (refused by default,
+        # also behind a redirect), too many bytes, a 404, a slow or dripping server, not an image
+        failures = [("/a.png", {"private": False}), ("/to-a.png", {"private": False}),
+                    ("/a.png", {"max_url_bytes": 100}), ("/missing.png", {}), ("/slow.png", {"url_timeout_s": 0.5}),
+                    ("/drip.png", {"url_timeout_s": 1.0}), ("/text", {})]
+        texts = set()
+        for path, policy in failures:
+            with pytest.raises(ApiError) as e:
+                fetch(path, **policy)
+            assert e.value.status == 400 and "image_url.url: the image URL could not be fetched as an image" in \
+                e.value.message, (path, e.value.message)
+            texts.add(re.sub(r"\(.*\)", "", e.value.message))
+        assert len(texts) == 1
+        # the dripping server was cut off at the deadline (1 s: ~5 bytes, and the writes that find the
+        # socket closed), not after its 40 bytes (a read of 64 KiB waited for every byte)
+        time.sleep(0.5)
+        assert _Images.drip_sent and _Images.drip_sent[0] < 40, _Images.drip_sent
         with pytest.raises(ApiError, match="not allowed"):
             ImageParts(vision, ImagePolicy()).add_url(base + "/a.png", "x")
     finally:
         site.shutdown()
+
+
+def test_a_requests_images_share_one_decoded_pixel_budget(mm):
+    """``max_request_pixels``: each 40x56 image (2,240 pixels) fits alone, two do not fit 3,000."""
+    vision = mm.app.state.service.vision
+    policy = ImagePolicy(max_request_pixels=3000)
+    one = ImageParts(vision, policy)
+    data = base64.b64encode(png()).decode()
+    s1 = one.add_base64("image/png", data, "messages[0].content[0].source")
+    one.substitute(s1)
+    assert len(vision.prepare(one.order, policy)) == 1
+    two = ImageParts(vision, policy)
+    s1 = two.add_base64("image/png", data, "messages[0].content[0].source")
+    s2 = two.add_base64("image/png", data, "messages[0].content[1].source")
+    two.substitute(f"{s1} {s2}")
+    with pytest.raises(ApiError, match=r"messages\[0\].content\[1\].source: the request's images hold more than 3000"):
+        vision.prepare(two.order, policy)

@@ -123,7 +123,12 @@ def add_commands(sub) -> None:
     s.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image URLs of requests (default: only inline data: URLs / base64)")
     s.add_argument("--image-url-timeout", type=_positive, default=10.0, metavar="S",
-                   help="seconds one image URL fetch may take (default 10)")
+                   help="seconds one image URL fetch may take, redirects and every read included (default 10)")
+    s.add_argument("--allow-private-image-urls", action="store_true",
+                   help="also fetch image URLs on loopback, private and link-local addresses (default: public "
+                        "addresses only, checked on every connection and redirect)")
+    s.add_argument("--max-request-image-mpx", type=_positive, default=64.0, metavar="M",
+                   help="decoded megapixels of all of one request's images (default 64; more: 400)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -243,7 +248,9 @@ def _image_policy(args):
     if args.max_images < 1:
         raise SystemExit(f"zoo serve: --max-images must be >= 1, got {args.max_images}")
     return ImagePolicy(max_images=args.max_images, max_bytes=int(args.max_image_mb * (1 << 20)),
-                       allow_urls=args.allow_image_urls, url_timeout_s=args.image_url_timeout)
+                       allow_urls=args.allow_image_urls, url_timeout_s=args.image_url_timeout,
+                       allow_private_urls=args.allow_private_image_urls,
+                       max_request_pixels=int(args.max_request_image_mpx * 1e6))
 
 
 def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int:

@@ -35,10 +35,6 @@ import base64
 import binascii
 import json
 import logging
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +42,7 @@ from typing import Sequence
 
 from zoo.images import ImageError, ImageSpec, decode_image, image_key, parse_data_url, preprocess
 from zoo.models.architectures import ARCHITECTURES
+from zoo.server.image_fetch import fetch, fetch_failed
 from zoo.server.validation import ApiError
 
 log = logging.getLogger("zoo.serve")
@@ -61,9 +58,11 @@ class ImagePolicy:
     allow_urls: bool = False               # fetch http(s) image URLs
     url_timeout_s: float = 10.0            # the whole fetch of one URL
     max_url_bytes: int | None = None
+    allow_private_urls: bool = False       # also loopback, private, link-local... addresses (image_fetch)
+    max_request_pixels: int = 64_000_000   # decoded pixels of all of one request's images
 
     def __post_init__(self):
-        for name in ("max_images", "max_bytes", "max_pixels"):
+        for name in ("max_images", "max_bytes", "max_pixels", "max_request_pixels"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.url_timeout_s > 0:
@@ -180,12 +179,21 @@ class VisionInputs:
         policy = policy or self.policy
         image_input = _image_input_class()
         done: dict[int, object] = {}
-        out = []
+        out, pixels = [], 0
         for s in sources:
             if id(s) not in done:
                 data = s.data if s.data is not None else fetch(s.url, policy, s.where)
                 try:
                     image = decode_image(data, max_pixels=policy.max_pixels, max_bytes=policy.max_bytes)
+                except ImageError as e:
+                    if s.url is not None:          # what a URL served is not described (image_fetch)
+                        fetch_failed(s.url, policy, s.where, e)
+                    raise ApiError(400, f"{s.where}: {e}", param=s.where) from None
+                pixels += image.width * image.height
+                if pixels > policy.max_request_pixels:
+                    raise ApiError(400, f"{s.where}: the request's images hold more than {policy.max_request_pixels} "
+                                        "decoded pixels together", param=s.where)
+                try:
                     p = preprocess(image, self.spec)
                 except ImageError as e:
                     raise ApiError(400, f"{s.where}: {e}", param=s.where) from None
@@ -296,38 +304,3 @@ class ImageParts:
         out.append(text[at:])
         self.order = order
         return "".join(out)
-
-
-def fetch(url: str, policy: ImagePolicy, where: str) -> bytes:
-    """GET an http(s) image URL within the policy's timeout (for the whole fetch) and byte cap."""
-    cap, deadline = policy.url_cap, time.monotonic() + policy.url_timeout_s
-    request = urllib.request.Request(url, headers={"User-Agent": "zoo-serve", "Accept": "image/*"})
-    try:
-        with urllib.request.urlopen(request, timeout=policy.url_timeout_s) as response:
-            if urllib.parse.urlsplit(response.geturl()).scheme not in ("http", "https"):
-                raise ApiError(400, f"{where}: the image URL redirected to a non-http(s) URL", param=where)
-            length = response.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > cap:
-                raise ApiError(400, f"{where}: image too large: the URL announces {length} bytes, the limit is {cap}",
-                               param=where)
-            chunks, size = [], 0
-            while chunk := response.read(1 << 16):
-                size += len(chunk)
-                if size > cap:
-                    raise ApiError(400, f"{where}: image too large: the URL sent more than {cap} bytes", param=where)
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunks.append(chunk)
-    except ApiError:
-        raise
-    except urllib.error.HTTPError as e:
-        raise ApiError(400, f"{where}: fetching the image URL failed: HTTP {e.code} {e.reason}", param=where) from None
-    except TimeoutError:
-        raise ApiError(400, f"{where}: fetching the image URL took longer than {policy.url_timeout_s:g}s",
-                       param=where) from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
-        raise ApiError(400, f"{where}: fetching the image URL failed: {reason}", param=where) from None
-    if not chunks:
-        raise ApiError(400, f"{where}: the image URL returned no bytes", param=where)
-    return b"".join(chunks)
