@@ -291,7 +291,7 @@ async def get_model(model_id: str, request: Request):
 async def chat_completions(request: Request):
     service = request.app.state.service
     body = await run_in_threadpool(parse, ChatRequest, await request.body())     # tool schemas checked off the loop
-    output = body.output_grammar()
+    output = await run_in_threadpool(body.output_grammar)       # a big schema's grammar: off the event loop
     choice, name = _tool_choice(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
@@ -436,7 +436,7 @@ async def completions(request: Request):
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens: 0 only with echo (the prompt's logprobs)", param="max_tokens")
-    output = body.output_grammar()
+    output = await run_in_threadpool(body.output_grammar)       # a big schema's grammar: off the event loop
     prompts = _prompts(body)
     if body.stream and body.echo:
         raise ApiError(400, "stream: echo needs a non-streaming request", param="echo")
