@@ -69,7 +69,7 @@ def _failure(result, exchanges: list[Exchange]) -> str:
             f"requests:\n{seen}")
 
 
-def test_claude_code_print_mode(server, tmp_path):
+def test_claude_code_print_mode_and_a_continued_turn(server, tmp_path):
     claude = CLAUDE_CODE.install()
     since = len(server.recorder.exchanges)
     result = run_client([claude, "-p", PROMPT, "--max-turns", "1"], claude_env(server.url, KEY, tmp_path / "home"),
@@ -91,6 +91,21 @@ def test_claude_code_print_mode(server, tmp_path):
                         if name == "content_block_delta" and d["delta"]["type"] == "text_delta")
     assert events[-1][0] == "message_stop" and generated == ANSWER
     assert result.stdout.strip() == generated, _failure(result, exchanges)
+
+    # a second turn of the same conversation (--continue): its prompt is the first one plus the turn,
+    # and the prefix cache serves most of it (the system prompt and tools: over 10k tokens)
+    since = len(server.recorder.exchanges)
+    again = run_client([claude, "-p", "Say it again. " + say(0), "--continue", "--max-turns", "1"],
+                       claude_env(server.url, KEY, tmp_path / "home"), tmp_path / "work", CLIENT_TIMEOUT_S)
+    exchanges = server.recorder.exchanges[since:]
+    assert again.returncode == 0 and exchanges and all(x.status == 200 for x in exchanges), _failure(again, exchanges)
+    second = [x for x in exchanges if x.path == "/v1/messages"][-1]
+    assert ANSWER in json.dumps([m for m in second.json()["messages"] if m["role"] == "assistant"])   # turn 1 replayed
+    usage = second.sse()[0][1]["message"]["usage"]
+    assert usage["cache_read_input_tokens"] > 10_000, usage
+    assert usage["cache_read_input_tokens"] > 0.8 * (usage["input_tokens"] + usage["cache_read_input_tokens"]
+                                                     + usage["cache_creation_input_tokens"]), usage
+    assert again.stdout.strip() == ANSWER, _failure(again, exchanges)
 
 
 def test_codex_exec(server, tmp_path):
