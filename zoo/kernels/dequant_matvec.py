@@ -57,7 +57,7 @@ from zoo.kernels.tpu import (
     table_operands,
 )
 from zoo.ops.activation import swiglu
-from zoo.ops.matmul import dense_matmul, precision_for
+from zoo.ops.matmul import decode_after, dense_matmul, precision_for
 
 F32 = jnp.float32
 
@@ -270,13 +270,16 @@ def decode_bank(q, experts: jax.Array | None = None):
 
 def reference_linear(x: jax.Array, w, out_dtype) -> jax.Array:
     """jnp twin of :func:`linear_matvec`. (The barrier keeps XLA:CPU from fusing the permutation
-    into a bf16 x bf16 -> f32 dot, which its dot thunk does not implement.)"""
+    into a bf16 x bf16 -> f32 dot, which its dot thunk does not implement. The decode waits for ``x``:
+    ``decode_after``.)"""
+    x, w = decode_after(x, w)
     weight, order = decode_bank(w)
     return dense_matmul(jax.lax.optimization_barrier(x[..., order]), weight[0], out_dtype)
 
 
 def reference_moe(x, weights, ids, gate, up, down, limit) -> jax.Array:
-    """jnp twin of :func:`moe_matvec`: decodes only the step's distinct experts."""
+    """jnp twin of :func:`moe_matvec`: decodes only the step's distinct experts (after ``x`` exists)."""
+    x, (gate, up, down) = decode_after(x, (gate, up, down))
     dtype, precision = x.dtype, precision_for(x.dtype)
     plan = expert_plan(ids, weights, gate.shape[0])
 

@@ -38,7 +38,7 @@ from zoo.kernels import dequant_matvec as mv
 from zoo.kernels import dequant_matvec_gpu as mv_gpu
 from zoo.kernels import grouped_matmul as gm
 from zoo.kernels.tile_decoders import format_of
-from zoo.ops.matmul import dense_matmul
+from zoo.ops.matmul import decode_after, dense_matmul
 from zoo.ops.moe import dense_moe
 
 Backend = Literal["auto", "tpu", "gpu", "reference", "dequantize"]
@@ -92,13 +92,16 @@ def block_rows(n_slots: int, n_experts: int, policy: Policy) -> int:
 
 
 def dequantized_matmul(x: jax.Array, w, out_dtype) -> jax.Array:
-    """Dequantize the whole matrix (``QArray.dequantize``, bit-exact with gguf), then ``jnp.dot``."""
+    """Dequantize the whole matrix (``QArray.dequantize``, bit-exact with gguf; after ``x`` exists:
+    ``decode_after``), then ``jnp.dot``."""
+    x, w = decode_after(x, w)
     return dense_matmul(x, w.dequantize().astype(x.dtype), out_dtype)
 
 
 def dequantized_moe(x, weights, ids, gate, up, down, limit) -> jax.Array:
-    """Dequantize every bank whole, then ``dense_moe``."""
-    return dense_moe(x, weights, ids, *(b.dequantize().astype(x.dtype) for b in (gate, up, down)), limit)
+    """Dequantize every bank whole (after ``x`` exists), then ``dense_moe``."""
+    x, banks = decode_after(x, (gate, up, down))
+    return dense_moe(x, weights, ids, *(b.dequantize().astype(x.dtype) for b in banks), limit)
 
 
 def matmul_impl(rows: int, w, policy: Policy) -> Callable:

@@ -49,7 +49,7 @@ from zoo.kernels.tpu import (
     table_operands,
 )
 from zoo.ops.activation import swiglu
-from zoo.ops.matmul import precision_for
+from zoo.ops.matmul import decode_after, precision_for
 from zoo.ops.moe import dense_moe
 
 F32 = jnp.float32
@@ -224,5 +224,6 @@ def decode_logical(bank) -> jax.Array:
 
 
 def reference_moe(x, weights, ids, gate, up, down, limit) -> jax.Array:
-    """jnp twin of :func:`moe_grouped`: every bank decoded once, then ``dense_moe``."""
-    return dense_moe(x, weights, ids, *(decode_logical(b).astype(x.dtype) for b in (gate, up, down)), limit)
+    """jnp twin of :func:`moe_grouped`: every bank decoded once (after ``x`` exists), then ``dense_moe``."""
+    x, banks = decode_after(x, (gate, up, down))
+    return dense_moe(x, weights, ids, *(decode_logical(b).astype(x.dtype) for b in banks), limit)

@@ -7,12 +7,13 @@ the model files never look at the storage format.
 Precision follows the data: float32 operands use ``Precision.HIGHEST`` (true f32 on TPU/GPU, where
 the default would round to bf16 / TF32); lower-precision operands accumulate in float32.
 
-A weight that must be decoded or converted before it is multiplied (a stored type without a fused
-kernel on this backend, or a dense weight of another dtype than ``x``) goes through
-``decode_after(x, w)`` first: its decode cannot be scheduled before the layer's input exists, so a
-whole-model program holds about one layer's decoded weights at a time, not every layer's (XLA would
-otherwise hoist every decode to the start: 1.006x the bf16 size of all matmul weights in
-temporaries on a 27B model).
+Every implementation that decodes a weight in XLA before its product (int8 codes here; the jnp
+kernels and whole-weight dequantizing in ``zoo.kernels``) first passes ``(x, w)`` through
+``decode_after``: the decode cannot be scheduled before the layer's input exists, so a whole-model
+program holds about one layer's decoded weights at a time, not every layer's (XLA would otherwise
+hoist every decode to the start: 1.006x the bf16 size of all matmul weights in temporaries on a
+27B model). A kernel that reads the stored
+weight itself (Pallas on TPU, Triton on GPU) needs no barrier and gets none.
 """
 
 from __future__ import annotations
@@ -47,13 +48,11 @@ def decode_after(x: jax.Array, w):
     return jax.lax.optimization_barrier((x, w))
 
 
-def needs_decode(x: jax.Array, w) -> bool:
-    """``w`` is not used as it is stored: a stored-weight type, or a dense array of another dtype."""
-    return not isinstance(w, jax.Array) or w.dtype != x.dtype
-
-
 def dense_matmul(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
-    w = w.astype(x.dtype) if w.dtype != x.dtype else w
+    if w.dtype != x.dtype:
+        if not jnp.issubdtype(w.dtype, jnp.floating):     # int8 codes: a decode, it waits for x. (Not
+            x, w = decode_after(x, w)                     # for a float cast, e.g. an f32 router: on the
+        w = w.astype(x.dtype)                             # TPU that barrier cost 2% of GLM's decode step)
     out = jnp.dot(x, w, precision=precision_for(x.dtype), preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
@@ -64,8 +63,6 @@ def matmul(x: jax.Array, w, out_dtype=None, axes=None) -> jax.Array:
     mesh a stored weight is computed per device on its shards, given its logical ``axes``
     (``zoo.sharding.shard_ops``; XLA partitions the dense product itself)."""
     impl = _MATMUL_IMPLS.get(type(w), dense_matmul)
-    if needs_decode(x, w):
-        x, w = decode_after(x, w)
     mesh = current_mesh() if impl is not dense_matmul else None
     if mesh is not None:
         from zoo.sharding.shard_ops import sharded_matmul

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo.ops.activation import swiglu
-from zoo.ops.matmul import decode_after, needs_decode, precision_for
+from zoo.ops.matmul import precision_for
 from zoo.sharding.mesh import current_mesh
 
 # stored-bank type -> fn(x [N, D], weights [N, k], ids [N, k], gate, up, down, limit) -> [N, D]
@@ -65,8 +65,6 @@ def moe(x, weights, ids, gate_bank, up_bank, down_bank, limit: float | None):
     """``sum_k weights[:, k] * expert_{ids[:, k]}(x)`` for x [N, D] (see module docstring); on a
     device mesh, each device runs its shards of the banks (``zoo.sharding.shard_ops``)."""
     impl = _MOE_IMPLS.get(type(gate_bank), dense_moe)
-    if needs_decode(x, gate_bank):                 # the banks' decode waits for x (zoo.ops.matmul)
-        x, (gate_bank, up_bank, down_bank) = decode_after(x, (gate_bank, up_bank, down_bank))
     mesh = current_mesh()
     if mesh is not None:
         from zoo.sharding.shard_ops import sharded_moe

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from zoo.ops.matmul import dense_matmul, register_matmul
+from zoo.ops.matmul import decode_after, dense_matmul, register_matmul
 from zoo.ops.moe import dense_moe, register_moe
 from zoo.quant.storage import as_stored, dense_store
 from zoo.sharding.mesh import ShardingRule, partition_spec, register_sharding
@@ -54,8 +54,9 @@ def int8_matmul(x: jax.Array, w: Int8Weight, out_dtype) -> jax.Array:
 
 @register_moe(Int8Weight)
 def int8_moe(x, weights, ids, gate_bank, up_bank, down_bank, limit):
-    """Reference: dequantize the banks, then the dense grouped path."""
-    banks = (bank.dequantize(x.dtype) for bank in (gate_bank, up_bank, down_bank))
+    """Reference: dequantize the banks (after ``x`` exists: ``decode_after``), then the dense grouped path."""
+    x, banks = decode_after(x, (gate_bank, up_bank, down_bank))
+    banks = (bank.dequantize(x.dtype) for bank in banks)
     return dense_moe(x, weights, ids, *banks, limit)
 
 
