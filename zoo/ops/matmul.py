@@ -7,8 +7,9 @@ the model files never look at the storage format.
 Precision follows the data: float32 operands use ``Precision.HIGHEST`` (true f32 on TPU/GPU, where
 the default would round to bf16 / TF32); lower-precision operands accumulate in float32.
 
-Every implementation that decodes a weight in XLA before its product (int8 codes here; the jnp
-kernels and whole-weight dequantizing in ``zoo.kernels``) first passes ``(x, w)`` through
+Every implementation that decodes a weight in XLA before its product (the jnp kernels and
+whole-weight dequantizing in ``zoo.kernels``, int8 off the TPU in ``zoo.quant.int8``) first passes
+``(x, w)`` through
 ``decode_after``: the decode cannot be scheduled before the layer's input exists, so a whole-model
 program holds about one layer's decoded weights at a time, not every layer's (XLA would otherwise
 hoist every decode to the start: 1.006x the bf16 size of all matmul weights in temporaries on a
@@ -49,10 +50,7 @@ def decode_after(x: jax.Array, w):
 
 
 def dense_matmul(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
-    if w.dtype != x.dtype:
-        if not jnp.issubdtype(w.dtype, jnp.floating):     # int8 codes: a decode, it waits for x. (Not
-            x, w = decode_after(x, w)                     # for a float cast, e.g. an f32 router: on the
-        w = w.astype(x.dtype)                             # TPU that barrier cost 2% of GLM's decode step)
+    w = w.astype(x.dtype) if w.dtype != x.dtype else w
     out = jnp.dot(x, w, precision=precision_for(x.dtype), preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
