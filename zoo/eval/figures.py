@@ -1,6 +1,6 @@
 """llama.cpp's quantization figures from per-token values, and their text form.
 
-    figures(per_token) -> dict          per_token: the arrays of ``TokenScores`` (all [N])
+    figures(per_token) -> dict          per_token: an array [N] for each name of ``PER_TOKEN``
     format_figures(figures) -> str      the report ``zoo eval kld`` prints
 
 Per scored token t (``zoo.eval.windows``) with reference distribution ``p`` and candidate ``q``:

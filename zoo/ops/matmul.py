@@ -9,12 +9,11 @@ the default would round to bf16 / TF32); lower-precision operands accumulate in 
 
 Every implementation that decodes a weight in XLA before its product (the jnp kernels and
 whole-weight dequantizing in ``zoo.kernels``, int8 off the TPU in ``zoo.quant.int8``) first passes
-``(x, w)`` through
-``decode_after``: the decode cannot be scheduled before the layer's input exists, so a whole-model
-program holds about one layer's decoded weights at a time, not every layer's (XLA would otherwise
-hoist every decode to the start: 1.006x the bf16 size of all matmul weights in temporaries on a
-27B model). A kernel that reads the stored
-weight itself (Pallas on TPU, Triton on GPU) needs no barrier and gets none.
+``(x, w)`` through ``decode_after``: the decode cannot be scheduled before the layer's input exists,
+so a whole-model program holds about one layer's decoded weights at a time, not every layer's (XLA
+would otherwise hoist every decode to the start: 1.006x the bf16 size of all matmul weights in
+temporaries on a 27B model). A kernel that reads the stored weight itself (Pallas on TPU, Triton on
+GPU) needs no barrier and gets none.
 """
 
 from __future__ import annotations

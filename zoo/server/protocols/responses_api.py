@@ -20,8 +20,7 @@ response.completed, or response.incomplete (the output cut at ``max_output_token
 ``incomplete_details.reason`` "max_output_tokens"), or response.failed; ``: keep-alive`` comments
 while silent. A stored response (``store``, the default) is kept in a bounded in-memory store (the
 last ``STORE_LIMIT``, at most ``STORE_BYTES`` of JSON) for ``previous_response_id``: its conversation
-(input and output items)
-comes before the new input. ``parallel_tool_calls`` false keeps the first call only. Errors use
+(input and output items) comes before the new input. ``parallel_tool_calls`` false keeps the first call only. Errors use
 OpenAI's schema. ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` 0..20) fills
 the output_text part's ``logprobs`` (every generated token, reasoning included, in order; each
 ``response.output_text.delta`` carries those of the tokens that arrived with it).
