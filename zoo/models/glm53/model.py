@@ -20,7 +20,8 @@ and k-token verify; the cache is explicit (the model contract of ``zoo.models.co
                mtp=MTPCache(slots=PositionMeta, layers=(LatentCache,)))          with an MTP layer
 
 Images (``zoo.models.glm53.multimodal``): with a ``vision_config`` the model has ``visual`` (the
-vision tower, ``zoo.models.glm53.vision``); ``encode_images`` runs it, and ``__call__(..., mm=MMInputs)``
+vision tower, ``zoo.models.glm53.vision``); ``encode_images`` runs it (``image_geometry`` +
+``encode_images_padded``: the same rows from one program per padded size), and ``__call__(..., mm=MMInputs)``
 takes its rows in place of the placeholder tokens' embeddings (``where(is_image, rows, embed(ids))``)
 before the streams are made. ``mtp_forward(..., mm=)`` does the same for the MTP layer's next-token
 embeddings (transformers has no MTP layer: it drops ``layers.{N}`` on load; the rows follow what
@@ -160,6 +161,20 @@ class Glm53(CausalLM):
             raise ValueError("this model has no vision tower (config.json has no vision_config, or it was "
                              "loaded with vision=False)")
         return self.visual(patches, grid_thw)
+
+    def image_geometry(self, grid_thw, n_patches: int):
+        """Host side of ``encode_images_padded``: the tower's ``PatchGeometry`` of ``grid_thw`` padded
+        to ``n_patches`` rows (``vision.VisionTower.geometry``)."""
+        if self.visual is None:
+            raise ValueError("this model has no vision tower")
+        return self.visual.geometry(grid_thw, n_patches)
+
+    def encode_images_padded(self, patches: jax.Array, geometry) -> jax.Array:
+        """The fixed-shape tower: patches [n, C*T*P*P] zero-padded to ``geometry``'s n rows -> rows
+        [n / m^2, D] in the model dtype, the first ones ``encode_images``' (``VisionTower.encode_padded``)."""
+        if self.visual is None:
+            raise ValueError("this model has no vision tower")
+        return self.visual.encode_padded(patches, geometry).astype(self.dtype)
 
     def embed(self, ids: jax.Array, mm: MMInputs | None = None) -> jax.Array:
         """Input embeddings [B, T, D]: the tokens', or the tower's rows where ``mm.is_image``."""

@@ -25,6 +25,14 @@ Contract (what transformers' ``Glm5NextModel.get_image_features`` returns as ``p
   frame: entry (t, h, w) is t independent segments of h*w patches (transformers' ``cu_seqlens``),
   so a video given as ((t, h, w),) equals ((1, h, w),) * t, as ``get_video_features`` feeds it.
 
+The fixed-shape path (the engine's: one program per padded row count, whatever the grid):
+``geometry(grid_thw, n)`` (host, numpy) gives a ``PatchGeometry`` padded to n patch rows (n >= N, a
+multiple of m^2): the rotary positions and a segment id per patch (one per frame, -1 at padding);
+``encode_padded(patches [n, C*T*P*P], geometry)`` runs the same tower with dense attention masked
+to ``segment_q == segment_k`` and returns ``[n / m^2, O]`` whose first N / m^2 rows are
+``__call__``'s (the rest: padding's, finite). ``__call__`` stays the reference (the parity tests
+against transformers run it).
+
 Weights: ``hf_names(cfg)`` maps the checkpoint's ``model.visual.*`` tensors to the parameters (the
 qkv rows reordered head-major, so splitting ``"vision_heads"`` keeps each head's q, k, v together);
 the language model's map (``zoo.models.glm53.weights``) takes the same rules under ``visual.``.
@@ -44,7 +52,7 @@ from flax import nnx
 from zoo.models.config import ConfigError, rope_field
 from zoo.models.shared.inventory import Tensor
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param
-from zoo.models.shared.vision import mmproj_patch_joins, mmproj_patch_parts
+from zoo.models.shared.vision import PatchGeometry, frame_ids, mmproj_patch_joins, mmproj_patch_parts, pad_rows
 from zoo.ops.activation import swiglu
 from zoo.ops.matmul import einsum
 from zoo.sources.names import HeadOrder, Join, NameMap, Rule, Transform
@@ -231,15 +239,22 @@ class VisionAttention(nnx.Module):
         self.q_norm = RMSNorm(hd, **norm)
         self.k_norm = RMSNorm(hd, **norm)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: dict[int, np.ndarray]) -> jax.Array:
-        """x ``[N, D]`` -> ``[N, D]``; each segment (``attention_segments``) attends only to itself."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments) -> jax.Array:
+        """x ``[N, D]`` -> ``[N, D]``; each segment attends only to itself: ``segments`` is the static
+        ``attention_segments`` dict, or a segment id per row (int32 [N], ``PatchGeometry.segments``:
+        one dense attention masked to ``segment_q == segment_k``)."""
         n = x.shape[0]
         qkv = self.qkv(x).reshape(n, self.num_heads, 3, self.head_dim)
         q = _rotate(self.q_norm(qkv[:, :, 0]), cos, sin)
         k = _rotate(self.k_norm(qkv[:, :, 1]), cos, sin)
         v = qkv[:, :, 2]
-        out = jnp.zeros_like(v)
         scale = self.head_dim ** -0.5
+        if not isinstance(segments, dict):
+            scores = einsum("qhd,khd->hqk", q, k) * jnp.asarray(scale, q.dtype)
+            same = (segments[:, None] == segments[None, :])[None]
+            probs = jax.nn.softmax(jnp.where(same, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(v.dtype)
+            return self.proj(einsum("hqk,khd->qhd", probs, v).reshape(n, -1))
+        out = jnp.zeros_like(v)
         for idx in segments.values():                   # static: one dense attention per segment length
             qs, ks, vs = q[idx], k[idx], v[idx]         # [G, L, H, hd]
             scores = einsum("gqhd,gkhd->ghqk", qs, ks) * jnp.asarray(scale, qs.dtype)
@@ -296,21 +311,50 @@ class VisionTower(nnx.Module):
 
     def __call__(self, patches: jax.Array, grid_thw) -> jax.Array:
         cfg = self.config
-        m, d = cfg.spatial_merge_size, cfg.hidden_size
+        m = cfg.spatial_merge_size
         grid = as_grid(grid_thw, m)
         n = sum(t * h * w for t, h, w in grid)
         if patches.shape != (n, cfg.patch_dim):
             raise ValueError(f"patches {patches.shape} do not fit grid {grid}: expected ({n}, {cfg.patch_dim})")
+        cos, sin = rotary_cos_sin(vision_positions(grid, m), cfg.head_dim, cfg.rope_theta)
+        return self._forward(patches, cos, sin, attention_segments(grid))
+
+    def _forward(self, patches, cos, sin, segments) -> jax.Array:
+        """The tower from patches [N, C*T*P*P] and the rotary tables, ``segments`` as
+        ``VisionAttention`` takes them -> [N / m^2, O]."""
+        m, d = self.config.spatial_merge_size, self.config.hidden_size
+        n = patches.shape[0]
         w = self.patch_embed[...].reshape(d, -1).astype(self.dtype)
         x = einsum("nk,dk->nd", patches.astype(self.dtype), w) + self.patch_embed_bias[...].astype(self.dtype)
-        cos, sin = rotary_cos_sin(vision_positions(grid, m), cfg.head_dim, cfg.rope_theta)
-        segments = attention_segments(grid)
         for block in self.blocks:
             x = block(x, cos, sin, segments)
         x = self.post_layernorm(x).reshape(n // (m * m), m, m, d)
         x = einsum("nijc,ocij->no", x, self.downsample[...].astype(self.dtype))
         x = x + self.downsample_bias[...].astype(self.dtype)
         return self.merger(x)
+
+    def geometry(self, grid_thw, n_patches: int) -> PatchGeometry:
+        """Host side of ``encode_padded``: the ``PatchGeometry`` of ``grid_thw`` padded to ``n_patches``
+        rows (>= its patches, a multiple of m^2; no position-table taps: this tower has none).
+        ``ValueError`` when they do not fit."""
+        m = self.config.spatial_merge_size
+        grid = as_grid(grid_thw, m)
+        if n_patches % (m * m):
+            raise ValueError(f"n_patches {n_patches} is not a multiple of {m * m} (merge {m} x {m})")
+        return PatchGeometry(positions=pad_rows(vision_positions(grid, m), n_patches),
+                             segments=pad_rows(frame_ids(grid), n_patches, -1))
+
+    def encode_padded(self, patches: jax.Array, geometry: PatchGeometry) -> jax.Array:
+        """patches [n, C*T*P*P] (the grid's patches, then zero rows), ``geometry`` of the same n ->
+        rows [n / m^2, O] in the tower's dtype: on the grid's rows equal to ``__call__``'s; every
+        shape is n's, so one program serves every grid padded to n."""
+        cfg = self.config
+        n = patches.shape[0]
+        if patches.shape[1] != cfg.patch_dim or geometry.segments.shape != (n,):
+            raise ValueError(f"patches {tuple(patches.shape)} and segments {tuple(geometry.segments.shape)}: "
+                             f"expected ({n}, {cfg.patch_dim}) and ({n},)")
+        cos, sin = rotary_cos_sin(geometry.positions, cfg.head_dim, cfg.rope_theta)
+        return self._forward(patches, cos, sin, jnp.asarray(geometry.segments, jnp.int32))
 
 
 # -- weights --------------------------------------------------------------------------------------

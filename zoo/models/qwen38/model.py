@@ -15,7 +15,8 @@ input), prefill, one-token decode and k-token verify::
                mtp=MTPCache(slots=SlotMeta, layers=(KVCache,)))           when there is an MTP layer
 
 The vision tower (``visual``, ``zoo.models.qwen38.vision.VisionTower``) is there when
-``config.vision`` is set: ``encode_images(patches, grid_thw)`` gives the rows the image tokens take.
+``config.vision`` is set: ``encode_images(patches, grid_thw)`` gives the rows the image tokens take
+(``image_geometry`` + ``encode_images_padded``: the same rows from one program per padded size).
 """
 
 from __future__ import annotations
@@ -122,6 +123,20 @@ class Qwen38(CausalLM):
             raise ValueError("this model has no vision tower (config.vision is None)")
         merged, _ = self.visual(patches, grid_thw)
         return merged.astype(self.dtype)
+
+    def image_geometry(self, grid_thw, n_patches: int):
+        """Host side of ``encode_images_padded``: the tower's ``PatchGeometry`` of ``grid_thw`` padded
+        to ``n_patches`` rows (``vision.VisionTower.geometry``)."""
+        if self.visual is None:
+            raise ValueError("this model has no vision tower (config.vision is None)")
+        return self.visual.geometry(grid_thw, n_patches)
+
+    def encode_images_padded(self, patches: jax.Array, geometry) -> jax.Array:
+        """The fixed-shape tower: patches [n, C*T*P*P] zero-padded to ``geometry``'s n rows -> rows
+        [n / m^2, D] in the model dtype, the first ones ``encode_images``' (``VisionTower.encode_padded``)."""
+        if self.visual is None:
+            raise ValueError("this model has no vision tower (config.vision is None)")
+        return self.visual.encode_padded(patches, geometry).astype(self.dtype)
 
     # -- forward ----------------------------------------------------------------------------
     def __call__(self, ids: jax.Array, mask: jax.Array, cache: ModelCache, keep_steps: bool = False,

@@ -20,6 +20,14 @@ Contract (``VisionTower.__call__``):
     placeholder tokens it fills, ``merged_lengths``); ``hidden`` is the last block's output
     (HF ``last_hidden_state``), in block order.
 
+The fixed-shape path (the engine's: one program per padded row count, whatever the grid):
+``geometry(grid_thw, n)`` (host, numpy) gives a ``PatchGeometry`` padded to n patch rows (n >= N, a
+multiple of m^2): the rotary positions, the position table's taps and weights, a segment id per
+patch (one per frame, -1 at padding); ``encode_padded(patches [n, C*T*P*P], geometry)`` runs the
+same tower with dense attention masked to ``segment_q == segment_k`` and returns ``[n/m^2,
+out_hidden]`` whose first N/m^2 rows are ``__call__``'s merged rows (the rest: padding's, finite).
+``__call__`` stays the reference (the parity tests against transformers run it).
+
 The host helpers (``patch_coords``, ``interpolation_taps``, ``rotary_positions``, ``frame_segments``)
 are pure numpy functions of the grid; they reproduce ``transformers.vision_utils``
 (``get_vision_interpolation_indices_and_weights(mode="bilinear", align_corners=True)``,
@@ -52,7 +60,7 @@ from flax import nnx
 
 from zoo.models.config import ConfigError
 from zoo.models.shared.layers import LayerNorm, Linear, param
-from zoo.models.shared.vision import mmproj_patch_joins, mmproj_patch_parts
+from zoo.models.shared.vision import PatchGeometry, frame_ids, mmproj_patch_joins, mmproj_patch_parts, pad_rows
 from zoo.ops.matmul import matmul, precision_for
 from zoo.sources.names import HeadOrder, Join, NameMap, Rule, Transform
 
@@ -275,6 +283,18 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments, scale:
     return jnp.concatenate(outs, axis=0)[np.argsort(np.concatenate(order))]
 
 
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, scale: float) -> jax.Array:
+    """``segment_attention``'s result, dense: ``q, k, v [n, H, hd]``, each row attends to the rows of its
+    own segment (``segments`` int32 [n], traced), the others masked out exactly (weight 0). Memory:
+    ``H * n^2`` scores."""
+    prec = precision_for(q.dtype)
+    scores = jnp.einsum("qhd,khd->hqk", q, k, precision=prec, preferred_element_type=jnp.float32)
+    same = (segments[:, None] == segments[None, :])[None]
+    probs = jax.nn.softmax(jnp.where(same, scores * scale, -jnp.inf), axis=-1).astype(v.dtype)
+    o = jnp.einsum("hqk,khd->qhd", probs, v, precision=prec, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype)
+
+
 class VisionAttention(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, dtype):
         d = cfg.hidden_size
@@ -284,10 +304,13 @@ class VisionAttention(nnx.Module):
         self.proj = Linear(d, d, axes=("vision_heads", "vision_embed"), dtype=dtype, use_bias=True)
 
     def __call__(self, x, cos, sin, segments):
+        """x [n, D]; ``segments``: static ``(start, length)`` pairs (``frame_segments``), or a segment
+        id per row (int32 [n], ``PatchGeometry.segments``: dense masked attention)."""
         n = x.shape[0]
         qkv = self.qkv(x).reshape(n, self.num_heads, 3, self.head_dim)
         q, k, v = _rope(qkv[:, :, 0], cos, sin), _rope(qkv[:, :, 1], cos, sin), qkv[:, :, 2]
-        o = segment_attention(q, k, v, segments, self.head_dim ** -0.5)
+        attend = segment_attention if isinstance(segments, tuple) else masked_attention
+        o = attend(q, k, v, segments, self.head_dim ** -0.5)
         return self.proj(o.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -366,15 +389,47 @@ class VisionTower(nnx.Module):
         n = sum(t * h * w for t, h, w in grid)
         if tuple(patches.shape) != (n, cfg.patch_dim):
             raise ValueError(f"patches have shape {tuple(patches.shape)}; grid {grid} needs ({n}, {cfg.patch_dim})")
-        x = self.patch_embed(patches.astype(self.dtype))
         idx, weights = interpolation_taps(grid, cfg.grid_side, m)
-        taps = jnp.take(self.pos_embed[...], jnp.asarray(idx), axis=0).astype(jnp.float32)   # [N, 4, D]
-        x = x + jnp.sum(taps * jnp.asarray(weights)[..., None], axis=1).astype(x.dtype)
+        x = self._embed(patches, idx, weights)
         cos, sin = rotary_tables_2d(rotary_positions(grid, m), cfg.head_dim, cfg.rope_theta)
         segments = frame_segments(grid)
         for block in self.blocks:
             x = block(x, cos, sin, segments)
         return self.merger(x), x
+
+    def _embed(self, patches, idx, weights) -> jax.Array:
+        """Patch embedding plus the interpolated position table (``idx``, ``weights`` [N, 4])."""
+        x = self.patch_embed(patches.astype(self.dtype))
+        taps = jnp.take(self.pos_embed[...], jnp.asarray(idx), axis=0).astype(jnp.float32)   # [N, 4, D]
+        return x + jnp.sum(taps * jnp.asarray(weights)[..., None], axis=1).astype(x.dtype)
+
+    def geometry(self, grid_thw, n_patches: int) -> PatchGeometry:
+        """Host side of ``encode_padded``: the ``PatchGeometry`` of ``grid_thw`` padded to ``n_patches``
+        rows (>= its patches, a multiple of m^2). ``ValueError`` when they do not fit."""
+        cfg, m = self.config, self.config.spatial_merge_size
+        grid = as_grid(grid_thw, m)
+        if n_patches % (m * m):
+            raise ValueError(f"n_patches {n_patches} is not a multiple of {m * m} (merge {m} x {m})")
+        idx, weights = interpolation_taps(grid, cfg.grid_side, m)
+        return PatchGeometry(positions=pad_rows(rotary_positions(grid, m), n_patches),
+                             segments=pad_rows(frame_ids(grid), n_patches, -1),
+                             taps=pad_rows(idx, n_patches), tap_weights=pad_rows(weights, n_patches))
+
+    def encode_padded(self, patches: jax.Array, geometry: PatchGeometry) -> jax.Array:
+        """patches [n, C*T*P*P] (the grid's patches, then zero rows), ``geometry`` of the same n
+        (``geometry``) -> merged [n/m^2, out_hidden] in the tower's dtype: on the grid's rows equal to
+        ``__call__``'s merged rows; every shape is n's, so one program serves every grid padded to n."""
+        cfg = self.config
+        n = patches.shape[0]
+        if patches.shape[1] != cfg.patch_dim or geometry.segments.shape != (n,):
+            raise ValueError(f"patches {tuple(patches.shape)} and segments {tuple(geometry.segments.shape)}: "
+                             f"expected ({n}, {cfg.patch_dim}) and ({n},)")
+        x = self._embed(patches, geometry.taps, geometry.tap_weights)
+        cos, sin = rotary_tables_2d(geometry.positions, cfg.head_dim, cfg.rope_theta)
+        segments = jnp.asarray(geometry.segments, jnp.int32)
+        for block in self.blocks:
+            x = block(x, cos, sin, segments)
+        return self.merger(x)
 
 
 def jit_tower(tower: VisionTower):

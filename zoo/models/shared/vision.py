@@ -12,6 +12,12 @@ llama.cpp's mmproj files split it.
     gather_rows(encoded [N_rows, D], batch) -> MMInputs      rows placed at the placeholders
     mm_inputs(model, batch) -> MMInputs                      the tower run once on every image
 
+    PatchGeometry(positions, segments, taps, tap_weights)
+                        the host-side geometry of a tower's fixed-shape path (``encode_padded``):
+                        per patch row, padded to a bucket's row count, everything the grid decides
+    frame_ids(grid) -> int32 [N]         each patch's attention segment (its frame), in patch order
+    pad_rows(a, n, fill) -> [n, ...]     ``a`` padded with ``fill`` rows to n rows
+
     PATCH_FRAMES, mmproj_patch_parts(t), mmproj_patch_joins(t)
                         llama.cpp's converter writes the Conv3d patch kernel [D, C, T, P, P] as T
                         Conv2d kernels (``v.patch_embd.weight``, ``v.patch_embd.weight.1``, ...):
@@ -58,6 +64,42 @@ class MMBatch(NamedTuple):
     is_image: np.ndarray
     positions: np.ndarray | None = None
     next_pos: np.ndarray | None = None
+
+
+class PatchGeometry(NamedTuple):
+    """What a grid decides in a vision tower, as per-patch arrays padded to a fixed row count n (a
+    pytree of numpy arrays: a jitted ``encode_padded`` takes it as an ordinary argument, so every grid
+    padded to the same n runs the same program).
+
+    positions    int32 [n, 2]     the 2-D rotary (row, column) of each patch in its frame; 0 at padding
+    segments     int32 [n]        the attention segment of each patch: one per frame (of each image), in
+                                  patch order (0, 1, ...); -1 at padding, which so attends only to padding
+    taps         int32 [n, 4]     (Qwen3.8) the learned position table's rows of each patch's bilinear
+                                  interpolation; 0 at padding; None for a tower without the table
+    tap_weights  float32 [n, 4]   (Qwen3.8) their weights; 0 at padding
+    """
+
+    positions: np.ndarray
+    segments: np.ndarray
+    taps: np.ndarray | None = None
+    tap_weights: np.ndarray | None = None
+
+
+def frame_ids(grid: Grid) -> np.ndarray:
+    """int32 ``[sum t*h*w]``: each patch's frame number over all images of ``grid`` (HF's
+    ``cu_seqlens`` segments: frame f of image i is one segment of h*w patches)."""
+    sizes = [h * w for t, h, w in grid for _ in range(t)]
+    return np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
+
+
+def pad_rows(a: np.ndarray, n: int, fill=0) -> np.ndarray:
+    """``a [m, ...]`` followed by ``n - m`` rows of ``fill`` (same dtype); ``ValueError`` if m > n."""
+    a = np.asarray(a)
+    if a.shape[0] > n:
+        raise ValueError(f"{a.shape[0]} patch rows do not fit in {n}")
+    out = np.full((n,) + a.shape[1:], fill, a.dtype)
+    out[:a.shape[0]] = a
+    return out
 
 
 def gather_rows(encoded: jax.Array, batch: MMBatch) -> MMInputs:
