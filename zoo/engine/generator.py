@@ -54,9 +54,9 @@ Several choices (``n``): ``make_request(n=...)`` returns the first choice with t
 sampling with its own seed stream from its first token on.
 
 Images (``zoo.engine.image_prefill``): a request's ``images`` fill its prompt's placeholder runs; at
-admission the tower runs once per image, each prefill piece takes its slice of the rows (and of
-Qwen's absolute M-RoPE positions; GLM's MTP layer the same rows), decoding is text. The prefix
-cache keys a prompt with images by ``Request.cache_tokens`` (placeholders replaced by content ids).
+admission the tower runs once per image (one program per size bucket up to ``max_image_tokens``),
+each prefill piece takes its rows (and Qwen's M-RoPE positions; GLM's MTP layer the same rows),
+decoding is text. The prefix cache keys it by ``Request.cache_tokens`` (placeholders: content ids).
 
 Stop strings and text (``zoo.text.detokenize``): a request whose options have stop strings or ask
 for text gets a ``TextDecoder``; each step's tokens go through it, so ``Request.text`` grows by what
@@ -121,18 +121,18 @@ class Generator(ProgramSet):
     def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, context: int | None = None,
                  memory_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefix_cache: PrefixCache | float | None = None, prefix_cache_host_gb: float | None = None,
-                 prefix_block: int = PREFIX_BLOCK):
-        """``max_batch``: the most rows (fewer if ``memory_budget`` holds fewer, see ``rows``);
-        ``context``: tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the
-        model's positions if fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by
-        generators: entries are keyed by the model's identity), its device budget in GiB (0: no
-        prefix caching), or None for the default (a quarter of ``memory_budget``);
-        ``prefix_cache_host_gb``: the host-RAM tier (None: a tenth of host RAM); ``prefix_block``:
-        tokens per cached block (a power of two dividing ``CACHE_BUCKET``)."""
+                 prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024):
+        """``max_batch``: the most rows (fewer if ``memory_budget`` holds fewer, see ``rows``); ``context``:
+        tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the model's positions if
+        fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
+        the model's identity), its device budget in GiB (0: no prefix caching), or None for the default (a
+        quarter of ``memory_budget``); ``prefix_cache_host_gb``: the host-RAM tier (None: a tenth of host
+        RAM); ``prefix_block``: tokens per cached block (a power of two dividing ``CACHE_BUCKET``);
+        ``max_image_tokens``: merged rows per image at most (``image_prefill.image_buckets``)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
-        self.k = int(spec_tokens)
+        self.k, self.max_image_tokens = int(spec_tokens), int(max_image_tokens)
         if prefill_chunk < PREFILL_MIN or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -167,8 +167,8 @@ class Generator(ProgramSet):
         self._first_fn = jax.jit(first_token)
         for name in ("_step_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
-        self._masked = MaskedPrograms(self._graphdef, self.k, getattr(model, "mesh", None))
-        self._images = ImagePrefill(model, self._graphdef, getattr(model, "mesh", None)) if multimodal(model) else None
+        self._masked = MaskedPrograms(self._graphdef, self.k, mesh := getattr(model, "mesh", None))
+        self._images = ImagePrefill(model, self._graphdef, mesh, self.max_image_tokens) if multimodal(model) else None
         mtp = getattr(model.module, "mtp_forward", None)
         self._mtp_mm = mtp is not None and "mm" in inspect.signature(mtp).parameters   # GLM: MTP takes the rows
         self.vocab = int(model.config.vocab_size)           # the logits' width
@@ -469,7 +469,7 @@ class Generator(ProgramSet):
     def check(self, req: Request) -> None:
         """``ValueError`` for a request ``submit`` refuses (before it is queued anywhere): its images
         (its options and prompt ids were checked by ``make_request``)."""
-        check_images(self.model, req.prompt, req.images)      # a text-only model, runs not matching
+        check_images(self.model, req.prompt, req.images, self.max_image_tokens)   # text only, runs, sizes
 
     def cancel(self, req: Request) -> None:
         """Ask the engine to stop ``req`` (thread-safe); it finishes as "cancelled" at the next step

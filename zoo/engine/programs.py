@@ -6,13 +6,15 @@ batch state a configuration holds per device.
     program(name)        -> jitted "decode" (batch donated) or "prefill" (one-row cache donated)
     program_set()        -> [(name, program, abstract args)]: decode at rows x L (with k MTP
                             drafts when speculating) and a prefill at each of ``prefill_widths``
+                            (and, for a model with a vision tower, one with image inputs at each)
     warmup(progress)     -> [(name, seconds)]: each program run once on zeros through the calls
                             requests make; afterwards no request compiles anything
     cache_bytes(rows, L) -> int, one device's bytes of the batch state
 
 The Generator provides the state these read (``_state``, ``_B``, ``_L``, ``k``, ``prefill_small``,
 ``prefill_chunk``, ``prefix``, ``model``, the jitted callables ``_empty_fn``, ``_first_fn``,
-``_place_fn``, ``_step_fn``, and ``_step_impl``, ``_prefill_impl``, ``_empty_impl``).
+``_place_fn``, ``_step_fn``, and ``_step_impl``, ``_prefill_impl``, ``_empty_impl``; ``_images``: the
+``zoo.engine.image_prefill.ImagePrefill`` or None, whose own programs ``warmup`` runs too).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class ProgramSet:
         """The whole-model programs of this configuration, all ``warmup`` compiles of them and all
         ``zoo compile`` lists: ``(name, program, abstract args)``, ``program`` from ``program`` and the
         args ShapeDtypeStructs with their shardings on the model's mesh. The decode step at rows x L
-        (with k MTP drafts when speculating) and the prefill at each of ``prefill_widths``."""
+        (with k MTP drafts when speculating) and the prefill at each of ``prefill_widths``; with a vision
+        tower also the prefill with image inputs (its ``mm``, ``ImagePrefill.abstract_inputs``) at each."""
         mesh = getattr(self.model, "mesh", None)
         rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         small = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
@@ -85,16 +88,24 @@ class ProgramSet:
             out.append((f"prefill width={w} L={L}" + (" + MTP rows" if self.k else ""),
                         self.program("prefill", keep_unused), (self.weights, ids, mask, h, ids, mask, row,
                                                                small((), jnp.bool_))))
+        for w in self.prefill_widths if self._images is not None else ():
+            ids, mask = small((1, w), jnp.int32), small((1, w), jnp.bool_)
+            out.append((f"prefill width={w} L={L} with images" + (" + MTP rows" if self.k else ""),
+                        self.program("prefill", keep_unused), (self.weights, ids, mask, h, ids, mask, row,
+                                                               small((), jnp.bool_),
+                                                               self._images.abstract_inputs(w, small))))
         return out
 
     def warmup(self, progress=None) -> list[tuple[str, float]]:
         """Compile every program a request can run (the ``program_set`` and the small ones around it:
-        the empty batch and row, the first token, placing a row, the prefix cache's copies) by
+        the empty batch and row, the first token, placing a row, the prefix cache's copies; with a
+        vision tower its programs, ``ImagePrefill.warmup``) by
         running each once on zeros, through the same calls requests make; afterwards no request
         compiles anything. ``progress(name, seconds, done, total)`` after each. Returns (name,
         seconds) per program. The batch is left empty."""
         timings: list[tuple[str, float]] = []
-        total = len(self.prefill_widths) + 3 + (self.prefix is not None)
+        images = [] if self._images is None else self._images.warmup_names(self.prefill_widths)
+        total = len(self.prefill_widths) + 3 + (self.prefix is not None) + len(images)
 
         def timed(name, fn):
             t0 = time.perf_counter()
@@ -112,6 +123,9 @@ class ProgramSet:
                 cache = self._empty_fn(1, self._L)["cache"]
                 return self._prefill_piece(np.zeros(w, np.int32), 0, w, w, cache, self._h_zero(), False)
             row = timed(f"prefill width={w}", prefill)
+        if self._images is not None:             # the tower per bucket, then per width placing + prefill
+            self._images.warmup(self._state, self.prefill_widths, lambda ids, w, mm: self._prefill_piece(
+                ids, 0, len(ids), w, self._empty_fn(1, self._L)["cache"], self._h_zero(), False, mm), timed)
         logits, h_last, cache = row[:3]
         params = self._row_params(RequestOptions(max_new_tokens=1), 0)
 
