@@ -308,3 +308,23 @@ def test_a_requests_images_share_one_decoded_pixel_budget(mm):
     two.substitute(f"{s1} {s2}")
     with pytest.raises(ApiError, match=r"messages\[0\].content\[1\].source: the request's images hold more than 3000"):
         vision.prepare(two.order, policy)
+
+
+def test_max_image_tokens_caps_how_large_images_are_resized(mm):
+    """``create_app(max_image_tokens=N)`` (``zoo serve --max-image-tokens``): the spec's max_pixels is
+    capped at N * factor**2 (factor = patch 4 * merge 2), so no image makes more than N tokens; this
+    processor's own 4,096 pixels (64 tokens) are under the default 1024 and stay."""
+    from zoo.server.image_inputs import VisionInputs
+    assert mm.app.state.service.vision.spec.max_pixels == 4096
+    assert mm.app.state.service.engine.generator.max_image_tokens == 1024
+    data = base64.b64encode(png(200, 120)).decode()
+    counts = {}
+    for cap in (None, 40, 16, 2):
+        vision = VisionInputs.from_model(mm.model, ImagePolicy(), cap)
+        assert vision.spec.max_pixels == (4096 if cap is None else cap * 64)
+        assert vision.spec.min_pixels <= vision.spec.max_pixels
+        parts = ImageParts(vision, ImagePolicy())
+        parts.substitute(parts.add_base64("image/png", data, "x"))
+        (image,) = vision.prepare(parts.order)
+        counts[cap] = image.n_tokens
+    assert counts[None] == 60 and 16 < counts[40] <= 40 and 0 < counts[16] <= 16 and counts[2] <= 2, counts

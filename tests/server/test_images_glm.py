@@ -72,3 +72,15 @@ def test_an_image_reaches_glm_through_both_sdks(glm):
     # the picture matters: another one of the same size is answered otherwise by the model itself
     other_ids, other = expected(glm, png(seed=4), text)
     assert other_ids == ids and greedy_reference(glm.model, ids, [other], STEPS, eos)[0] != want
+
+
+def test_max_image_tokens_caps_glm_images(glm):
+    """GLM's resize (a canvas within max_pixels) under ``max_image_tokens``: at most that many tokens."""
+    from zoo.server.image_inputs import ImageParts, ImagePolicy, VisionInputs
+    data = base64.b64encode(png(300, 180)).decode()
+    for cap in (48, 10, 1):
+        vision = VisionInputs.from_model(glm.model, ImagePolicy(), cap)
+        parts = ImageParts(vision, ImagePolicy())
+        parts.substitute(parts.add_base64("image/png", data, "x"))
+        (image,) = vision.prepare(parts.order)
+        assert 0 < image.n_tokens <= cap, (cap, image.n_tokens, image.grid)

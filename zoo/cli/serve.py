@@ -129,6 +129,10 @@ def add_commands(sub) -> None:
                         "addresses only, checked on every connection and redirect)")
     s.add_argument("--max-request-image-mpx", type=_positive, default=64.0, metavar="M",
                    help="decoded megapixels of all of one request's images (default 64; more: 400)")
+    s.add_argument("--max-image-tokens", type=int, default=1024, metavar="N",
+                   help="image tokens (the tower's merged rows) per image at most (default 1024): every image "
+                        "is resized to at most N * (patch * merge)^2 pixels, and the tower compiles one program "
+                        "per bucket 256, 512, ... up to N (N itself the last) at warmup")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -206,7 +210,7 @@ def _engine_args(args) -> dict:
         host_gb = 0.1 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"spec_tokens": args.spec, "max_batch": args.max_batch, "context": args.context,
             "prefill_chunk": args.prefill_chunk, "prefix_cache": args.prefix_cache_gb,
-            "prefix_cache_host_gb": host_gb}
+            "prefix_cache_host_gb": host_gb, "max_image_tokens": args.max_image_tokens}
 
 
 def _context(args, model) -> int:
@@ -247,6 +251,8 @@ def _image_policy(args):
 
     if args.max_images < 1:
         raise SystemExit(f"zoo serve: --max-images must be >= 1, got {args.max_images}")
+    if args.max_image_tokens < 1:
+        raise SystemExit(f"zoo serve: --max-image-tokens must be >= 1, got {args.max_image_tokens}")
     return ImagePolicy(max_images=args.max_images, max_bytes=int(args.max_image_mb * (1 << 20)),
                        allow_urls=args.allow_image_urls, url_timeout_s=args.image_url_timeout,
                        allow_private_urls=args.allow_private_image_urls,
@@ -278,7 +284,8 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
                          thinking_budget=args.thinking_budget, prefix_cache_gb=engine["prefix_cache"],
                          prefix_cache_host_gb=engine["prefix_cache_host_gb"],
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), body_timeout_s=args.body_timeout,
-                         replica=replica, image_policy=_image_policy(args))
+                         replica=replica, image_policy=_image_policy(args),
+                         max_image_tokens=engine["max_image_tokens"])
         if on_ready is not None:
             on_ready(app)
         base = f"http://{_host(args)}:{sock.getsockname()[1]}"

@@ -86,7 +86,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
                prefix_cache_gb: float | None = None, prefix_cache_host_gb: float | None = None,
                max_body_bytes: int = transport.MAX_BODY_BYTES,
                body_timeout_s: float | None = transport.BODY_TIMEOUT_S, replica=None,
-               image_policy: ImagePolicy | None = None) -> FastAPI:
+               image_policy: ImagePolicy | None = None, max_image_tokens: int = 1024) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
@@ -109,8 +109,11 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     of a multi-process job, builds the engine the server drives from the ``Generator``
     (``zoo.engine.replica.Leader``). image_policy: the limits on images in requests
     (``zoo.server.image_inputs.ImagePolicy``; None: its defaults) for a model with a vision tower;
-    a text-only model answers an image with 400. The engine is ``app.state.service.engine``; ``serve`` drains it
-    on SIGTERM.
+    a text-only model answers an image with 400. max_image_tokens: merged rows (placeholder tokens) per
+    image at most: images are resized to at most ``max_image_tokens * (patch * merge)**2`` pixels, and
+    the engine's tower compiles one program per bucket 256, 512, ... up to it
+    (``zoo.engine.image_prefill.image_buckets``). The engine is ``app.state.service.engine``; ``serve``
+    drains it on SIGTERM.
     """
     if thinking_budget is not None and thinking_budget < 1:
         raise ValueError(f"thinking_budget must be >= 1, got {thinking_budget}")
@@ -118,10 +121,10 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
         raise ValueError("serving needs a tokenizer; this model has none")
     calls = _tool_call_format(tool_format, model)
     image_policy = image_policy or ImagePolicy()
-    vision = VisionInputs.from_model(model, image_policy)        # None: text only
+    vision = VisionInputs.from_model(model, image_policy, max_image_tokens)        # None: text only
     generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, context=context,
                           memory_budget=memory_budget, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
-                          prefix_cache_host_gb=prefix_cache_host_gb)
+                          prefix_cache_host_gb=prefix_cache_host_gb, max_image_tokens=max_image_tokens)
     context, rows = generator.context, generator.rows
     metrics = Metrics()
     if generator.prefix is not None:

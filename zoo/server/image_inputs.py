@@ -3,7 +3,8 @@
     ImagePolicy        the server's limits: images per request, bytes per image, decoded pixels (the
                        decompression-bomb guard), whether http(s) URLs are fetched (off by default),
                        the fetch's timeout and byte cap
-    VisionInputs       per loaded model (``from_model``; None for a text-only model): its ``ImageSpec``,
+    VisionInputs       per loaded model (``from_model``; None for a text-only model): its ``ImageSpec``
+                       (``max_pixels`` capped so no image exceeds the engine's ``max_image_tokens``),
                        its image-pad token, ``prepare`` (bytes -> ``ImageInput``) and ``expand`` (one
                        pad id per image -> ``n_tokens`` pad ids)
     ImageParts         per request: each image part of any surface (``add_url``: OpenAI chat
@@ -20,7 +21,10 @@ whose ``"image_processor"`` entry holds them, else a flat ``preprocessor_config.
 a directory saved without its processor) the family's HF class defaults (pixel bounds, mean/std,
 resampling) with the vision config's patch_size, temporal_patch_size and spatial_merge_size, and a
 warning in the log saying so. The family is the ``image_family`` of ``config.arch``'s row of the architecture
-table (``zoo.models.architectures``).
+table (``zoo.models.architectures``). ``from_model(model, policy, max_image_tokens)`` then caps the spec's
+``max_pixels`` at ``max_image_tokens * factor**2`` (factor = patch * merge: one merged row's pixels, and
+``min_pixels`` with it), so every image is resized to at most the engine's largest tower bucket
+(``zoo.engine.image_prefill.image_buckets``).
 
 Every refusal is an ``ApiError`` 400 naming the part (``messages[0].content[1]``) and the problem:
 a text-only model ("this model takes text only"), too many images, an over-large, corrupt,
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import logging
 import uuid
@@ -137,6 +142,18 @@ def processor_settings(directory: Path) -> tuple[dict, Path] | None:
     return None
 
 
+def cap_tokens(spec: ImageSpec, max_image_tokens: int) -> ImageSpec:
+    """``spec`` with ``max_pixels`` at most ``max_image_tokens * factor**2`` (one merged row is
+    factor x factor pixels), ``min_pixels`` at most that too: no image it resizes makes more than
+    ``max_image_tokens`` rows (both families' resize rules keep h * w within ``max_pixels``)."""
+    cap = int(max_image_tokens) * spec.factor ** 2
+    if spec.max_pixels <= cap:
+        return spec
+    log.info("images: at most %d pixels per image (max_image_tokens %d; the processor's max_pixels is %d)",
+             cap, max_image_tokens, spec.max_pixels)
+    return dataclasses.replace(spec, max_pixels=cap, min_pixels=min(spec.min_pixels, cap))
+
+
 @dataclass(frozen=True)
 class Source:
     """One image of a request: its bytes, or (URL fetching allowed) its http(s) URL; ``where`` names
@@ -153,13 +170,18 @@ class VisionInputs:
         self.spec, self.image_token_id, self.policy = spec, int(image_token_id), policy
 
     @classmethod
-    def from_model(cls, model, policy: ImagePolicy | None = None) -> VisionInputs | None:
+    def from_model(cls, model, policy: ImagePolicy | None = None,
+                   max_image_tokens: int | None = None) -> VisionInputs | None:
         """None when the model has no vision tower (``config.vision`` None). Raises ValueError when
-        the tokenizer's id of the image-pad token is not ``config.image_token_id``."""
+        the tokenizer's id of the image-pad token is not ``config.image_token_id``. ``max_image_tokens``
+        (the engine's, None: no cap): images are resized to at most that many merged rows
+        (``cap_tokens``)."""
         cfg = model.config
         if getattr(cfg, "vision", None) is None:
             return None
         spec = model_spec(model)
+        if max_image_tokens is not None:
+            spec = cap_tokens(spec, max_image_tokens)
         tok = model.tokenizer
         found = tok.token_to_id(spec.image_token) if tok is not None else None
         if found != cfg.image_token_id:
