@@ -219,8 +219,8 @@ class ImagePrefill:
         return self._zeros[width]
 
     def piece(self, p: PromptImages, a: int, e: int, width: int):
-        """``MMInputs`` of prompt tokens ``a .. e-1`` right-padded to ``width``: rows ``[1, width, D]``,
-        is_image ``[1, width]``, positions ``[3, 1, width]`` int32 or None."""
+        """``MMInputs`` of prompt tokens ``a .. e-1`` right-padded to ``width``: rows ``[1, width, D]``
+        (device), is_image ``[1, width]`` bool and positions ``[3, 1, width]`` int32 or None (numpy)."""
         rows = self._zero_rows(width)
         image = p.image[a:e]
         for i in np.unique(image[image >= 0]).tolist():
@@ -238,7 +238,7 @@ class ImagePrefill:
             positions = np.zeros((3, 1, width), np.int32)
             positions[:, 0, :e - a] = p.positions[:, a:e]
             positions[:, 0, e - a:] = p.positions[:, e - 1:e]      # padding: the last real position
-        return MMInputs(rows, jnp.asarray(is_image), positions)
+        return MMInputs(rows, is_image, positions)          # host arrays, as the piece's ids and mask
 
     def abstract_inputs(self, width: int, struct) -> MMInputs:
         """The ``MMInputs`` of a piece of ``width`` as abstract values, ``struct(shape, dtype)`` each
