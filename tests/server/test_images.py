@@ -328,3 +328,19 @@ def test_max_image_tokens_caps_how_large_images_are_resized(mm):
         (image,) = vision.prepare(parts.order)
         counts[cap] = image.n_tokens
     assert counts[None] == 60 and 16 < counts[40] <= 40 and 0 < counts[16] <= 16 and counts[2] <= 2, counts
+
+
+def test_an_image_over_the_engines_limit_is_a_400_and_leaves_no_waiting_job(mm):
+    """Qwen's resize keeps one side at least one merged patch, so a very wide image under a tiny
+    ``max_image_tokens`` (2) still makes 17 tokens: the engine refuses it (a 400 naming the count and
+    the limit), and the refused request holds no place in the queue."""
+    app = create_app(mm.model, api_key=KEY, model_name="mm", max_batch=1, max_image_tokens=2, prefix_cache_gb=0)
+    with ServerThread(app) as s:
+        wide = data_url(png(1200, 8))
+        for _ in range(2):
+            with pytest.raises(openai.BadRequestError, match="17 image tokens, more than this engine's limit of 2"):
+                oa(s).chat.completions.create(model="mm", messages=chat_image(wide), max_tokens=2)
+        engine = app.state.service.engine
+        assert engine._waiting == 0 and not engine._jobs
+        r = oa(s).chat.completions.create(model="mm", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert r.choices[0].finish_reason in ("length", "stop")

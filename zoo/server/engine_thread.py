@@ -295,7 +295,14 @@ class EngineThread:
             self._jobs.update(jobs)
         self._waiting += len(jobs)
         self.metrics.queue_depth.set(self._waiting)
-        self.generator.submit(first)
+        try:
+            self.generator.submit(first)            # ValueError: refused (its images), never queued
+        except BaseException:
+            with self._lock:
+                self._jobs.difference_update(jobs)
+            self._waiting -= len(jobs)
+            self.metrics.queue_depth.set(self._waiting)
+            raise
         return jobs
 
     def _on_admitted(self, job: Job) -> None:
