@@ -25,9 +25,10 @@ cache of L slots, in pieces that end at every multiple of ``prefill_chunk`` toke
 the chunk a target's memory leaves room for. The index advances by the real tokens only, so a row
 is compact (slot s holds position s). Then it is placed into a free row; a request waits while
 every row is busy. A request whose prompt and ``max_new_tokens`` exceed the context is refused.
-Prefill is interleaved with decoding (``zoo.engine.fill``): a step runs at most ``prefill_chunk``
-tokens of pieces before its decode step while rows are decoding, so a long prompt delays the
-running streams by one chunk per token, never by its whole prefill.
+Admission and prefill live in ``zoo.engine.admission`` (a mixin, as the program set in
+``zoo.engine.programs``). Prefill is interleaved with decoding (``zoo.engine.fill``): a step runs at
+most ``prefill_chunk`` tokens of pieces before its decode step while rows are decoding, so a long
+prompt delays the running streams by one chunk per token, never by its whole prefill.
 
 Prefix caching (``zoo.engine.prefix_cache``): a request starts from the longest cached prefix of its
 prompt with a state snapshot at its end (``_lookup``, ``PrefixRows.restore``) and prefills the rest; every
@@ -89,13 +90,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from zoo.engine import speculative
+from zoo.engine.admission import Admission
 from zoo.engine.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
-from zoo.engine.fill import Fill, piece_inputs, plan_pieces, round_up
-from zoo.engine.image_prefill import ImagePrefill, cache_tokens, check_images, multimodal
+from zoo.engine.fill import Fill, round_up
+from zoo.engine.image_prefill import ImagePrefill, check_images, multimodal
 from zoo.engine.logprobs import TokenLogprob, maybe_token_logprobs, records, to_numpy
 from zoo.engine.masked_step import MaskedPrograms, pick_next
 from zoo.engine.options import RequestOptions, check_token_ids
-from zoo.engine.prefix_cache import PrefixCache, Snapshot, token_strides
+from zoo.engine.prefix_cache import PrefixCache, token_strides
 from zoo.engine.prefix_rows import PrefixRows
 from zoo.engine.programs import ProgramSet
 from zoo.engine.request import Generation, ImageInput, Request
@@ -114,7 +116,7 @@ PREFIX_BLOCK = 256     # tokens per prefix-cache block (zoo.engine.prefix_cache)
 DEFAULT_CONTEXT = 4096     # tokens per request when none is given (capped by the model's positions)
 
 
-class Generator(ProgramSet):
+class Generator(ProgramSet, Admission):
     """Continuous-batching engine over ``model`` (a ``zoo.Model``); ``spec_tokens`` k > 0 drafts k
     tokens per step with the model's MTP head."""
 
@@ -291,131 +293,6 @@ class Generator(ProgramSet):
         batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
         return batch, tokens, n, maybe_token_logprobs(want_lp, logits, tokens)
 
-    # -- admission ----------------------------------------------------------------------------
-    def _plan(self, start: int, n: int, marks=()) -> list[tuple[int, int, int, bool]]:
-        """The prefill pieces of prompt tokens ``start .. n-1`` (``fill.plan_pieces`` with this
-        engine's two widths and slots): only the ``prefill_widths`` are ever compiled."""
-        return plan_pieces(start, n, self.prefill_chunk, self.prefill_small, self._L, marks)
-
-    def _check_length(self, n: int, options: RequestOptions) -> None:
-        """``ValueError`` when a prompt of ``n`` tokens and ``options.max_new_tokens`` exceed the context."""
-        if n + options.max_new_tokens > self.context:
-            raise ValueError(f"the prompt ({n} tokens) and max_new_tokens ({options.max_new_tokens}) exceed the "
-                             f"engine's context of {self.context} tokens")
-
-    def _lookup(self, req: Request) -> Snapshot | None:
-        """The longest cached prefix ``req`` may start from (at least one prompt token stays to
-        prefill: its logits give the first token); none when it asks for the prompt's logprobs."""
-        if self.prefix is None or req.options.prompt_logprobs is not None or len(req.prompt) < 2:
-            return None
-        return self.prefix.lookup(self._rows_io.root, self._key(req), len(req.prompt) - 1)
-
-    def _key(self, req: Request) -> list[int]:
-        """The prefix cache's key of ``req``'s prompt (``image_prefill.cache_tokens`` with images)."""
-        if not req.images:
-            return req.prompt
-        if req.cache_tokens is None:
-            req.cache_tokens = cache_tokens(req.prompt, req.images, self.model.config.image_token_id)
-        return req.cache_tokens
-
-    def _try_admit(self, req: Request) -> bool:
-        """Give ``req`` (and its forks) free rows and start its prefill (``_begin_fill``); False if it
-        must wait for rows to free. The prefix cache's device tier keeps within what the batch leaves
-        of the budget."""
-        group = [req] + req.forks
-        if len(group) > self._B:
-            raise MemoryError(f"{len(group)} choices need {len(group)} batch rows; the engine has {self._B}")
-        self._check_length(len(req.prompt), req.options)
-        if sum(r is None for r in self._rows) < len(group):
-            return False
-        hit = self._lookup(req)
-        if self.prefix is not None:
-            self.prefix.fit_device(self.memory_budget - self._state_bytes())
-            if hit is not None and not self.prefix.holds(hit):
-                hit = None
-        self._ensure_batch()
-        req.prefix_hit = hit
-        at = []
-        for member in group:
-            at.append(self._rows.index(None))
-            self._rows[at[-1]] = member
-            if member.on_admit is not None:
-                member.on_admit(member)
-        self._fill = self._begin_fill(group, at)
-        return True
-
-    def _snapshot(self, tokens: list[int], row) -> None:
-        """Cache the state after ``tokens`` (``PrefixRows.store``), then keep the device tier inside
-        what the batch leaves."""
-        self._rows_io.store(tokens, row)
-        self.prefix.fit_device(self.memory_budget - self._state_bytes())
-
-    def _begin_fill(self, group: list[Request], at: list[int]) -> Fill:
-        """The prefill of ``group``'s shared prompt, ready for its first piece: from its cached
-        prefix, if any (restored here), then in pieces that end at snapshot points, each cached."""
-        req = group[0]
-        self.prefills += 1
-        n, opts = len(req.prompt), req.options
-        cache = self._empty_fn(1, self._L)["cache"]
-        h_prev = self._h_zero()
-        snap = req.prefix_hit
-        start = 0 if snap is None else snap.length
-        if snap is not None:
-            cache, hidden = self._rows_io.restore(snap, cache)
-            if hidden is not None:
-                h_prev = self._replicated(hidden)
-        if self.prefix is not None and opts.prompt_logprobs is None and n >= 2:
-            self.prefix.stats.hits += snap is not None
-            self.prefix.stats.hit_tokens += start
-            self.prefix.stats.miss_tokens += n - start
-        images = None if not req.images else self._images.start(self._state, req, start)
-        return Fill(group, at, self._plan(start, n, opts.cache_marks), cache, h_prev, start, images)
-
-    def _fill_piece(self, f: Fill) -> int:
-        """Run ``f``'s next piece (and cache its snapshot); returns the piece's width."""
-        req = f.request
-        a, e, w, snapshot = f.pieces[f.next]
-        want = req.options.prompt_logprobs is not None
-        mm = None if f.images is None else self._images.piece(f.images, a, e, w)   # text: the same program
-        out = self._prefill_piece(f.prompt, a, e, w, f.cache, f.h_prev, want, mm)
-        f.logits, f.h_prev, f.cache = out[:3]
-        f.next += 1
-        self.prefill_tokens += w
-        if want:
-            f.scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
-        if self.prefix is not None and snapshot:
-            self._snapshot(self._key(req)[:e], lambda c=f.cache, h=f.h_prev: (c, h if self.k else None))
-        return w
-
-    def _prefill_piece(self, prompt: np.ndarray, a: int, e: int, w: int, cache, h_prev, want: bool, mm=None):
-        """Prompt tokens ``a .. e-1`` of ``prompt`` as one piece of width ``w`` into the one-row
-        ``cache`` (donated); returns what ``_prefill_impl`` returns."""
-        ids, mask, nxt, nxt_mask = piece_inputs(prompt, a, e, w)
-        extra = {} if mm is None else {"mm": mm}
-        return self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, np.bool_(want), **extra)
-
-    def _end_fill(self, f: Fill) -> None:
-        """``f``'s prompt is prefilled: each choice still wanted samples its first token and gets a
-        copy of the row at its index in ``f.at`` (``_start_row``)."""
-        req, opts = f.request, f.request.options
-        n = len(req.prompt)
-        prompt_lps = None
-        if opts.prompt_logprobs is not None:
-            at_pos = {key: np.concatenate([s[key] for s in f.scored])[:n - 1] for key in f.scored[0]}
-            prompt_lps = [TokenLogprob(req.prompt[0], None)] + records(req.prompt[1:], at_pos, opts.prompt_logprobs)
-        for member, r in zip(f.group, f.at):
-            if member.finish_reason is not None:      # cancelled while its prompt was prefilled
-                continue
-            member.prompt_token_logprobs = prompt_lps
-            member.stats.update(prompt_tokens=n, cached_tokens=f.start, drafted=0, accepted=0,
-                                accepted_by_position=[0] * self.k, steps=0)
-            if opts.max_new_tokens == 0:              # prompt logprobs only: no row kept
-                member.stats["time_to_first_token"] = time.perf_counter() - f.t0
-                self._finish(member, "length")
-                continue
-            self._start_row(member, r, f.logits, f.h_prev, f.cache)
-            member.stats["time_to_first_token"] = time.perf_counter() - f.t0
-
     def _replicated(self, x):
         """``x`` as the one kind of array a program sees for it, wherever it came from (a program's
         output, the prefix cache's host RAM, zeros): on a mesh, replicated on all its devices; on one
@@ -534,66 +411,6 @@ class Generator(ProgramSet):
         """[B] bool: the rows a decode step runs (held by a request whose prompt is prefilled)."""
         filling = () if self._fill is None else self._fill.at
         return np.array([req is not None and r not in filling for r, req in enumerate(self._rows)], bool)
-
-    def _prefill_waiting(self) -> None:
-        """Prefill waiting prompts, in order, while rows and memory allow: at most ``prefill_budget``
-        tokens of pieces (one piece at least; the chunk by default) when some row is decoding, so its
-        stream waits one chunk at most; all of them when none is, or when the budget is None (whole
-        prompts before the next step: more throughput, long stalls; see ``zoo.engine.fill``)."""
-        budget = self.prefill_budget if self._decoding().any() else None
-        spent = 0
-        while budget is None or spent < budget:
-            if self._fill is None and not self._admit_next():
-                return
-            f = self._fill
-            if f is None:                   # the next request was refused, cancelled or failed: go on
-                continue
-            if not f.live:                  # every choice cancelled meanwhile
-                self._fill = None
-                continue
-            try:
-                spent += self._fill_piece(f)
-                if f.done:
-                    self._fill = None
-                    self._end_fill(f)
-            except Exception as e:
-                self._fill = None
-                self._fail_admission(f.group, e)
-
-    def _admit_next(self) -> bool:
-        """Admit the first waiting request (start its fill); False if none waits or it must wait
-        for rows. A request that cannot be admitted fails (see ``step`` on faults)."""
-        if not self._waiting:
-            return False
-        with self._lock:
-            req = self._waiting[0]
-        group = [req] + req.forks
-        if all(m.cancelled for m in group):
-            with self._lock:
-                self._waiting.popleft()
-            for m in group:
-                self._finish(m, "cancelled")
-            return True
-        try:
-            if not self._try_admit(req):
-                return False
-        except Exception as e:
-            with self._lock:
-                self._waiting.popleft()
-            self._fail_admission(group, e)
-            return True
-        with self._lock:
-            self._waiting.popleft()
-        return True
-
-    def _fail_admission(self, group: list[Request], e: BaseException) -> None:
-        """Admitting or prefilling ``group`` raised ``e``: a device program that failed holding the
-        batch fails the batch; else the group fails (``MemoryError``: it can never fit, 400; else 500)."""
-        if self._batch is not None and any(x.is_deleted() for x in jax.tree.leaves(self._batch)):
-            self._fail_batch(e, group)
-            return
-        for m in group:
-            self._fail(m, e, status=400 if isinstance(e, MemoryError) else 500)
 
     def _take_step(self, req: Request, new: list[int], scored: dict | None, forced: bool) -> None:
         """Record one step's tokens ``new`` of ``req`` (``scored``: their logprob leaves) and deliver them."""
