@@ -4,6 +4,8 @@ equal the compiler's argument bytes. The full-size compiles are in ``bench/compi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import jax
@@ -33,59 +35,90 @@ def glm_reduced(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def cli_report():
+    """``zoo compile qwen38-tiny --quant Q8_0 --context 128 --json`` (every default: the whole set)."""
+    from zoo.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["compile", "qwen38-tiny", "--quant", "Q8_0", "--context", "128", "--json"])
+    return code, json.loads(out.getvalue())
+
+
 @pytest.mark.parametrize("name", ["glm53-tiny", "qwen38-tiny"])
-def test_quantized_tiny_models_compile_for_v5e_8(name):
-    """Decode without and with MTP drafts and a prefill chunk compile for 8 v5e chips, through the
-    Mosaic kernels; each program carries its roofline, its kernels counted while it was traced."""
-    report = aot.compile_report(name, quant="Q8_0", target="v5e-8", batch=2, context=256, spec_tokens=2,
-                                prefill_chunk=64)
+def test_quantized_tiny_models_compile_for_v5e_8(name, cli_report):
+    """The server's programs compile for 8 v5e chips, through the Mosaic kernels; each decode and
+    prefill program carries its roofline, its kernels counted while it was traced. GLM: the decode
+    step with MTP drafts and the prefill chunk (the set's other programs differ from these in shapes
+    only); Qwen: ``zoo compile``'s whole default set (decode without and with drafts, both prefill
+    widths, the decode step split around grammar token masks)."""
+    if name == "glm53-tiny":       # the decode step with MTP drafts and the prefill chunk (the other two
+        session = aot._open(name, "Q8_0", "v5e-8", "tp", "bfloat16")      # differ only in shapes)
+        names = [p[0] for p in session.generator(2, 2, 256, 64).program_set()]
+        # 256 tokens of context hold 512 slots (a piece's padding), both prefill widths
+        assert names == ["decode B=2 L=512 MTP k=2", "prefill width=16 L=512 + MTP rows",
+                         "prefill width=64 L=512 + MTP rows"]
+        report = {"model": name, "quant": "Q8_0", "target": "v5e-8", "layout": "tp",
+                  "chips": int(session.model.mesh.devices.size), "usable_hbm": session.usable,
+                  "programs": [session.decode(2, 256, 2), session.prefill(64, 256, 2)]}
+        report["ok"] = all(p["fits"] for p in report["programs"])
+    else:
+        report = cli_report[1]
     assert report["chips"] == 8 and report["usable_hbm"] == int(15.75 * 2**30) and report["ok"]
-    names = [p["name"] for p in report["programs"]]
-    # the server's program set: 256 tokens of context hold 512 slots (a piece's padding), both prefill widths
-    assert names == ["decode B=2 L=512", "decode B=2 L=512 MTP k=2", "prefill width=64 L=512 + MTP rows",
-                     "prefill width=16 L=512 + MTP rows"]
     for program in report["programs"]:
-        assert program["pallas_calls"] > 0 and program["fits"]
+        assert program["fits"] and program["arguments"] >= program["batch_state"] > 0 and program["flops"] > 0
+        if "token masks" in program["name"]:      # memory only; the verify part's recurrent states are
+            assert "roofline" not in program      # one per verify position (not the batch's shapes)
+            assert program["pallas_calls"] > 0 or "settle" in program["name"]     # settle: no weight read
+            continue
+        assert program["pallas_calls"] > 0
         # the batch state / the prefill row is donated: the outputs beyond it are the logits and tokens
         assert program["aliased"] >= 0.9 * program["batch_state"] > 0, program
-        assert program["arguments"] >= program["batch_state"] > 0 and program["flops"] > 0
         roof = program["roofline"]
         assert roof["pallas"]["calls"] > 0 and roof["pallas"]["grid_steps"] >= roof["pallas"]["calls"]
         assert 0 < roof["pallas"]["weight_bytes"] and roof["must_read"]["total"] > roof["must_read"]["cache"] > 0
         assert roof["floor_s"] == roof["must_read"]["total"] / 819e9 and roof["xla"]["bytes_accessed"] > 0
         assert roof["xla"]["traffic"]["compute"] > 0 and roof["xla"]["traffic"]["pallas"] > 0
-    plain, spec = report["programs"][:2]
-    assert spec["roofline"]["must_read"]["mtp"] > 0 == plain["roofline"]["must_read"]["mtp"]
+    spec = next(p for p in report["programs"] if "MTP k" in p["name"])
+    assert spec["roofline"]["must_read"]["mtp"] > 0
+    if name == "qwen38-tiny":
+        assert report["programs"][0]["roofline"]["must_read"]["mtp"] == 0       # the plain decode step
     text = aot.table(report)
-    assert "decode B=2 L=512 MTP k=2" in text and "roofline per chip" in text
+    assert spec["name"] in text and "roofline per chip" in text
 
 
 @pytest.mark.parametrize("quant", ["UD-IQ3_XXS", "int8"])
 def test_planner_equals_the_compiler(glm_reduced, quant):
     """Per chip: planner bytes == the abstract load's weight shards == the compiler's argument bytes
-    less the batch state, within 1% (the compiler pads small arrays to its tiles)."""
-    report = aot.compile_report(glm_reduced, quant=quant, target="v5e-8", batch=1, context=2048, spec_tokens=1,
-                                programs=("decode",))
-    decode = report["programs"][-1]                 # with the MTP drafts: every weight is read
+    for the weights, within 1% (the compiler pads small arrays to its tiles). The compiler's side is
+    a program that takes every weight and reads none: its arguments are the weights as any program
+    of the set holds them (the same abstract arrays and shardings; the full-width decode step itself
+    compiles in ``bench/compile_tpu.py``, the tiny models' whole set below)."""
+    import jax.numpy as jnp
+
+    session = aot._open(glm_reduced, quant, "v5e-8", "tp", "bfloat16")
+    weights = session.generator(1, 1, 2048).weights
+    with jax.set_mesh(session.model.mesh):
+        compiled = jax.jit(lambda w: jnp.zeros(()), keep_unused=True).lower(weights).compile()
     planner = plan_config(load_config(glm_reduced), quant, 8).per_device_bytes
-    compiler = decode["arguments"] - decode["batch_state"]
+    compiler = compiled.memory_analysis().argument_size_in_bytes
     print(f"{quant}: planner {planner:,} B, compiler {compiler:,} B per chip")
-    assert planner == report["weights_per_chip"]
+    assert planner == session.weights
     assert abs(compiler - planner) <= 0.01 * planner
-    assert decode["pallas_calls"] > 0
 
 
-def test_cli_defaults_and_errors(capsys):
+def test_cli_defaults_and_errors(cli_report):
     """``zoo compile`` without options compiles the serving set: 3 rows, MTP k=3 where the model has
-    an MTP layer (decode with and without drafts), the largest prefill chunk that leaves the margin."""
-    from zoo.cli import main
-
-    assert main(["compile", "qwen38-tiny", "--quant", "int8", "--context", "128", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["target"] == "v5e-8" and doc["spec_tokens"] == 3 and doc["prefill_chunk"] == 128 and doc["ok"]
+    an MTP layer (decode with and without drafts), the largest prefill chunk that leaves the margin
+    and the small width, and the masked step's parts (draft, verify, settle with k drafts)."""
+    code, doc = cli_report
+    assert code == 0 and doc["target"] == "v5e-8" and doc["spec_tokens"] == 3 and doc["prefill_chunk"] == 128
+    assert doc["ok"]
     assert [p["name"] for p in doc["programs"]] == [          # the largest chunk the 128-token context holds
         "decode B=3 L=256", "decode B=3 L=256 MTP k=3", "prefill width=128 L=256 + MTP rows",
-        "prefill width=16 L=256 + MTP rows"]
+        "prefill width=16 L=256 + MTP rows", "decode with token masks: draft B=3 L=256 k=3",
+        "decode with token masks: verify B=3 L=256 k=3", "decode with token masks: settle B=3 L=256 k=3"]
     too_long = aot.compile_report("qwen38-tiny", quant="int8", batch=32, context=2**24, programs=("decode",))
     decode = too_long["programs"][0]                 # 32 rows x 16M slots: the compiler says it needs more
     assert decode["fits"] is False and decode["required"] > decode["usable"] and "CompileTimeHbmOom" in decode["error"]
@@ -100,9 +133,11 @@ def test_cli_defaults_and_errors(capsys):
 
 def test_prefill_chunk_from_the_memory_left():
     """A margin no chunk leaves: every chunk size is tried, largest first, and none is chosen."""
-    report = aot.compile_report("qwen38-tiny", quant="int8", context=1024, prefill_chunk=None,
+    report = aot.compile_report("qwen38-tiny", quant="int8", context=256, prefill_chunk=None,
                                 programs=("prefill",), min_margin=16 * 2**30)
-    assert [p["name"] for p in report["programs"]] == [f"prefill width={c} L=1280" for c in aot.PREFILL_CHUNKS]
+    tried = [c for c in aot.PREFILL_CHUNKS if c <= 256]          # those a 256-token context holds
+    assert tried == [256, 128]
+    assert [p["name"] for p in report["programs"]] == [f"prefill width={c} L=512" for c in tried]
     assert all(p["rejected"] for p in report["programs"]) and report["prefill_chunk"] is None and not report["ok"]
     assert "(chunk not chosen)" in aot.table(report)
 

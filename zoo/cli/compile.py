@@ -36,8 +36,9 @@ def _compile(args: argparse.Namespace) -> int:
 def add_commands(sub) -> None:
     from zoo.tools.compile_report import TARGETS
 
-    p = sub.add_parser("compile", help="compile the decode steps and the prefill chunk for a target chip (no TPU "
-                                       "needed); per-chip memory and a roofline from the compiler")
+    p = sub.add_parser("compile", help="compile the server's program set for a target chip (no TPU needed): the "
+                                       "decode steps, the prefill widths, the masked step parts; per-chip memory "
+                                       "and a roofline from the compiler")
     p.add_argument("model", help="registry name, checkpoint directory or GGUF (nothing is read but its config)")
     p.add_argument("--quant", default=None, help="recipe (see zoo plan)")
     p.add_argument("--target", default="v5e-8", choices=sorted(TARGETS))
@@ -51,7 +52,9 @@ def add_commands(sub) -> None:
                    help="tokens per prefill chunk, or 'auto': the largest of 1024/512/256/128 that leaves the margin")
     p.add_argument("--min-margin", type=float, default=0.5, help="GiB per chip a program must leave free (default 0.5)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--programs", default="decode,prefill", help="comma-separated: decode, prefill")
+    p.add_argument("--programs", default="decode,prefill,masked",
+                   help="comma-separated: decode, prefill, masked (the decode step split around grammar token "
+                        "masks: the programs a batch with a constrained row runs); default all three")
     p.add_argument("--search-batch", default="", metavar="CONTEXTS",
                    help="comma-separated contexts: also find the most decode rows that fit at each")
     p.add_argument("--hlo-dir", default=None, help="also write each compiled program's HLO text here")

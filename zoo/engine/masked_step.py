@@ -56,12 +56,20 @@ class MaskedPrograms:
 
     def __init__(self, graphdef, k: int, mesh=None):
         self._graphdef, self.k = graphdef, k
-        jit = lambda f, **kw: on_mesh(jax.jit(f, donate_argnums=(1,), **kw), mesh)   # noqa: E731
-        self.logits = jit(self._logits)
-        self.draft = jit(self._draft)
-        self.verify = jit(self._verify)
-        self.pick = on_mesh(jax.jit(self._pick, donate_argnums=(0,)), mesh)
-        self.settle = jit(self._settle)
+        for name in ("logits", "draft", "verify", "pick", "settle"):
+            setattr(self, name, on_mesh(self.jitted(name), mesh))
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The parts a masked step runs, in order: ("logits", "pick"), or with drafts ("draft",
+        "verify", "settle")."""
+        return ("draft", "verify", "settle") if self.k else ("logits", "pick")
+
+    def jitted(self, name: str, keep_unused: bool = False):
+        """Part ``name`` jitted, the batch donated, not wrapped in a mesh (``zoo compile`` lowers it
+        under ``jax.set_mesh``)."""
+        return jax.jit(getattr(self, "_" + name), donate_argnums=(0,) if name == "pick" else (1,),
+                       keep_unused=keep_unused)
 
     def _model(self, state):
         return nnx.merge(self._graphdef, state)

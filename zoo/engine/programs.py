@@ -7,13 +7,16 @@ batch state a configuration holds per device.
     program_set()        -> [(name, program, abstract args)]: decode at rows x L (with k MTP
                             drafts when speculating) and a prefill at each of ``prefill_widths``
                             (and, for a model with a vision tower, one with image inputs at each)
+    masked_chain()       -> [(name, program, args_from)]: the decode step split around grammar
+                            token masks (logits, pick; or draft, verify, settle), as they run
     warmup(progress)     -> [(name, seconds)]: each program run once on zeros through the calls
                             requests make; afterwards no request compiles anything
     cache_bytes(rows, L) -> int, one device's bytes of the batch state
 
 The Generator provides the state these read (``_state``, ``_B``, ``_L``, ``k``, ``prefill_small``,
-``prefill_chunk``, ``prefix``, ``model``, the jitted callables ``_empty_fn``, ``_first_fn``,
-``_place_fn``, ``_step_fn``, and ``_step_impl``, ``_prefill_impl``, ``_empty_impl``; ``_images``: the
+``prefill_chunk``, ``prefix``, ``model``, ``_masked`` (its ``MaskedPrograms``), ``_mask_words``, the jitted
+callables ``_empty_fn``, ``_first_fn``, ``_place_fn``, ``_step_fn``, and ``_step_impl``,
+``_prefill_impl``, ``_empty_impl``; ``_images``: the
 ``zoo.engine.image_prefill.ImagePrefill`` or None, whose own programs ``warmup`` runs too).
 """
 
@@ -95,6 +98,30 @@ class ProgramSet:
                                                                small((), jnp.bool_),
                                                                self._images.abstract_inputs(w, small))))
         return out
+
+    def masked_chain(self, keep_unused: bool = False) -> list[tuple[str, object, object]]:
+        """The decode step split around token masks (``zoo.engine.masked_step``): the programs a batch
+        with a grammar-constrained row runs instead of the decode step, ``(name, program, args_from)``
+        in the order they run, where ``args_from(outs)`` gives a part's abstract arguments from the
+        abstract outputs of the parts before it (``outs[part]``). ``zoo compile`` compiles them as a
+        chain, so each part sees the shardings the parts before it leave (``Compiled.out_info``)."""
+        mesh = getattr(self.model, "mesh", None)
+        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        small = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
+        b, L, k, parts = self._B, self._L, self.k, self._masked
+        batch, w = self.abstract_batch(b, L), self.weights
+        active, force, cap, want = (small((b,), jnp.bool_), small((b,), jnp.int32), small((b,), jnp.int32),
+                                    small((), jnp.bool_))
+        masks = small((b, k + 1, self._mask_words), jnp.int32)
+        make = {"logits": lambda o: (w, batch, active),                              # -> batch, logits
+                "pick": lambda o: (*o["logits"], active, force, masks, want),
+                "draft": lambda o: (w, batch, active),                               # -> batch, drafts, q, x_m
+                "verify": lambda o: (w, o["draft"][0], o["draft"][3], o["draft"][1], active),
+                "settle": lambda o: (w, o["verify"][0], o["verify"][3], o["verify"][1], o["verify"][2],
+                                     o["draft"][2], o["draft"][1], active, force, cap, masks, want)}
+        shape = f" B={b} L={L}" + (f" k={k}" if k else "")
+        return [(f"decode with token masks: {name}{shape}", parts.jitted(name, keep_unused), make[name])
+                for name in parts.parts]
 
     def warmup(self, progress=None) -> list[tuple[str, float]]:
         """Compile every program a request can run (the ``program_set`` and the small ones around it:

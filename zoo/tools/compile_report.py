@@ -181,7 +181,7 @@ def _compile(fn, args: tuple, mesh: Mesh, backend: str) -> tuple:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     text = compiled.as_text()
     pallas = text.count('custom_call_target="tpu_custom_call"')
-    return compiled.memory_analysis(), seconds, pallas, dict(cost), calls, text
+    return compiled.memory_analysis(), seconds, pallas, dict(cost), calls, text, compiled.out_info
 
 
 PREFILL_CHUNKS = (1024, 512, 256, 128)     # tried in this order when the chunk is chosen from memory
@@ -219,15 +219,33 @@ class _Session:
                          mtp_rows=width)
         return self._report(label, fn, args, args[6], read)
 
-    def _report(self, label: str, fn, args: tuple, state, read: dict) -> dict:
+    def masked(self, batch: int, context: int, spec_tokens: int) -> list[dict]:
+        """The decode step split around grammar token masks (``Generator.masked_chain``), compiled
+        part by part, each from the abstract outputs of the parts before it; memory only (no
+        roofline: the parts share one step's reads). A part that does not fit ends the chain."""
+        gen = self.generator(spec_tokens, batch, context)
+        outs, reports = {}, []
+        for label, fn, args_from in gen.masked_chain(keep_unused=True):
+            args = args_from(outs)
+            part = label.split(":")[1].split()[0]
+            reports.append(self._report(label, fn, args, args[0] if part == "pick" else args[1], None, outs, part))
+            if "error" in reports[-1]:
+                break
+        return reports
+
+    def _report(self, label: str, fn, args: tuple, state, read: dict | None, outs: dict | None = None,
+                part: str | None = None) -> dict:
         try:
-            memory, seconds, pallas, cost, calls, text = _compile(fn, args, self.model.mesh, self.target.backend)
+            memory, seconds, pallas, cost, calls, text, out_info = _compile(fn, args, self.model.mesh,
+                                                                            self.target.backend)
         except Exception as e:
             required = required_bytes(str(e))
             if required is None:
                 raise
             return {"name": label, "error": str(e).splitlines()[0][:500], "required": required,
                     "usable": self.usable, "margin": self.usable - required, "fits": False}
+        if outs is not None:        # the next part's arguments: these outputs, their shardings, no layouts
+            outs[part] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out_info)
         if self.hlo_dir:
             os.makedirs(self.hlo_dir, exist_ok=True)
             with open(os.path.join(self.hlo_dir, re.sub(r"[^\w.=-]+", "_", label) + ".hlo"), "w") as f:
@@ -240,7 +258,7 @@ class _Session:
             weights_resident=self.weights, batch_state=batch_state, usable=self.usable, compile_s=seconds,
             pallas_calls=pallas, flops=float(cost.get("flops", -1)),
             bytes_accessed=float(cost.get("bytes accessed", -1))).to_dict()
-        if self.target.platform == "tpu":          # HBM bandwidths are known for TPU chips only
+        if self.target.platform == "tpu" and read is not None:     # HBM bandwidths are known for TPU chips only
             report["roofline"] = roofline(read, batch_state, calls, cost, self.target.name.split("-")[0])
             report["roofline"]["xla"]["traffic"] = dict(traffic(text)[0])
         return report
@@ -256,21 +274,23 @@ def _open(name_or_path, quant, target: str, layout: str, dtype: str, hlo_dir: st
 def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e-8", layout: str = "tp",
                    batch: int = 1, context: int = 4096, spec_tokens: int | None = 0,
                    prefill_chunk: int | None = 512, dtype: str = "bfloat16",
-                   programs: tuple[str, ...] = ("decode", "prefill"), min_margin: int = 0,
+                   programs: tuple[str, ...] = ("decode", "prefill", "masked"), min_margin: int = 0,
                    hlo_dir: str | None = None) -> dict:
     """Compile the engine's programs for ``target`` (see the module docstring); a JSON-ready report.
 
     ``programs``: "decode" compiles the decode step at ``batch`` x ``context`` without drafts and,
     when ``spec_tokens`` k > 0, with k MTP drafts (None: ``DEFAULT_SPEC`` where the model has an MTP
-    layer, else 0); "prefill" the prefill chunk (with the chunk's MTP rows when k > 0).
+    layer, else 0); "prefill" the prefill chunk (with the chunk's MTP rows when k > 0); "masked" the
+    decode step split around grammar token masks (``Generator.masked_chain``: with k drafts when
+    k > 0), the programs a batch with a constrained row runs.
     ``prefill_chunk`` None chooses the chunk from the memory left: the first of ``PREFILL_CHUNKS``
     (those up to ``context``) that compiles with ``min_margin`` bytes to spare (``prefill_chunk`` in the
     report; the larger ones tried are reported too, marked ``rejected``). ``ok``: every program not
     rejected fits with ``min_margin`` to spare (and a chunk was found). ``hlo_dir``: also write each
     compiled program's HLO text there (``bench/hlo_traffic.py`` reads it)."""
     for program in programs:
-        if program not in ("decode", "prefill"):
-            raise ValueError(f"unknown program {program!r}; known: decode, prefill")
+        if program not in ("decode", "prefill", "masked"):
+            raise ValueError(f"unknown program {program!r}; known: decode, prefill, masked")
     t0 = time.perf_counter()
     session = _open(name_or_path, quant, target, layout, dtype, hlo_dir)
     if spec_tokens is None:
@@ -279,6 +299,9 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
     for program in programs:
         if program == "decode":
             reports += [session.decode(batch, context, k) for k in sorted({0, spec_tokens})]
+            continue
+        if program == "masked":
+            reports += session.masked(batch, context, spec_tokens)
             continue
         if prefill_chunk is not None and prefill_chunk > context:
             raise ValueError(f"a prefill chunk of {prefill_chunk} tokens does not fit a cache of {context} slots")
@@ -345,19 +368,20 @@ def table(report: dict) -> str:
     """The report as text: memory per chip (GiB), then the roofline of each program."""
     g = lambda n: f"{n / GiB:7.2f}"                                       # noqa: E731
     floor = report.get("min_margin", 0)
+    n = max([38] + [len(p["name"]) for p in report["programs"]])          # the program column's width
     rows = [f"{report['model']} / {report['quant']} on {report['target']} ({report['chips']} chips, layout "
             f"{report['layout']}): usable HBM {report['usable_hbm'] / GiB:.2f} GiB per chip"
             + (f", margin wanted {floor / GiB:.2f}" if floor else ""),
-            f"{'program':38s} {'weights':>7s} {'batch':>7s} {'temps':>7s} {'out-alias':>9s} {'sum':>7s} {'peak':>7s} "
+            f"{'program':{n}s} {'weights':>7s} {'batch':>7s} {'temps':>7s} {'out-alias':>9s} {'sum':>7s} {'peak':>7s} "
             f"{'margin':>7s} {'pallas':>6s} {'compile':>8s}"]
     for p in report["programs"]:
         if "error" in p:
-            rows.append(f"{p['name']:38s} DOES NOT FIT: the compiler needs {p['required'] / GiB:.2f} GiB "
+            rows.append(f"{p['name']:{n}s} DOES NOT FIT: the compiler needs {p['required'] / GiB:.2f} GiB "
                         f"(margin {p['margin'] / GiB:.2f})" + ("  (chunk not chosen)" if p.get("rejected") else ""))
             continue
         verdict = "  DOES NOT FIT" if not p["fits"] else ("  margin too small" if p["margin"] < floor else "")
         verdict += "  (chunk not chosen)" if p.get("rejected") else ""
-        rows.append(f"{p['name']:38s} {g(p['weights_resident'])} {g(p['batch_state'])} {g(p['temporaries'])} "
+        rows.append(f"{p['name']:{n}s} {g(p['weights_resident'])} {g(p['batch_state'])} {g(p['temporaries'])} "
                     f"{g(p['outputs'] - p['aliased']):>9s} {g(p['sum'])} {g(p['total'])} {g(p['margin'])} "
                     f"{p['pallas_calls']:6d} {p['compile_s']:7.1f}s" + verdict)
     if report.get("prefill_chunk") is not None:
@@ -366,14 +390,14 @@ def table(report: dict) -> str:
         return "\n".join(rows)
     rows += ["", f"roofline per chip (ms; Pallas grid step overhead {1e6 * _overhead(report):.2f} us assumed; "
              "xla acc = XLA's bytes accessed, of which prefetch into VMEM (counted ~4x) and relayout copies)",
-             f"{'program':38s} {'must read':>9s} {'floor':>7s} {'steps':>7s} {'kernels':>8s} {'k/floor':>7s} "
+             f"{'program':{n}s} {'must read':>9s} {'floor':>7s} {'steps':>7s} {'kernels':>8s} {'k/floor':>7s} "
              f"{'xla est':>7s} {'xla acc':>8s} {'prefetch':>8s} {'relayout':>8s}"]
     for p in report["programs"]:
         if "roofline" not in p:
             continue
         r, k = p["roofline"], p["roofline"]["pallas"]
         ratio = f"{k['ratio']:7.2f}" if k["ratio"] else f"{'-':>7s}"
-        rows.append(f"{p['name']:38s} {r['must_read']['total'] / GiB:7.2f}Gi {1e3 * r['floor_s']:7.3f} "
+        rows.append(f"{p['name']:{n}s} {r['must_read']['total'] / GiB:7.2f}Gi {1e3 * r['floor_s']:7.3f} "
                     f"{k['grid_steps']:7d} {1e3 * k['estimate_s']:8.3f} {ratio} {1e3 * r['xla']['estimate_s']:7.3f} "
                     f"{r['xla']['bytes_accessed'] / GiB:6.2f}Gi {r['xla']['traffic'].get('prefetch', 0) / GiB:6.2f}Gi "
                     f"{r['xla']['traffic'].get('relayout', 0) / GiB:6.2f}Gi")
