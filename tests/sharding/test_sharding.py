@@ -71,12 +71,15 @@ def test_qwen_both_layouts_with_generator_in_expert_parallel(tmp_path):
 
 
 def test_prefix_cache_on_the_mesh_one_model_per_layout(tmp_path):
-    """Restored prefixes on 8 devices (GLM on "ep", Qwen on "tp", plain and MTP) give the
-    single-device tokens (the restore copies go by the cache's logical axes, not by the model)."""
+    """Restored prefixes on 8 devices (GLM on "ep" with MTP drafts, Qwen on "tp" plain) give the
+    single-device tokens: the restore copies go by the cache's logical axes, not by the model, and
+    the MTP slots and hidden row are restored only with drafts."""
     paths = {"glm": str(write_random_checkpoint(tmp_path / "glm", GLM, seed=1)),
              "qwen": str(write_random_checkpoint(tmp_path / "qwen", QWEN, seed=2))}
-    r = run_check("prefix_cache", paths=paths, layouts={"glm": ["ep"], "qwen": ["tp"]})
-    assert len(r) == 4 and all(v["hits"][1] > 0 and v["logprob_err"] <= TOL for v in r.values()), r
+    r = run_check("prefix_cache", paths=paths, layouts={"glm": ["ep"], "qwen": ["tp"]},
+                  drafts={"glm": [2], "qwen": [0]})
+    assert sorted(r) == ["glm/ep/k2", "qwen/tp/k0"]
+    assert all(v["hits"][1] > 0 and v["logprob_err"] <= TOL for v in r.values()), r
 
 
 def test_quantized_expert_banks_split_by_rows_and_input_blocks(tmp_path):

@@ -230,10 +230,11 @@ def abstract() -> dict:
     return out
 
 
-def prefix_cache(paths: dict, layouts: dict[str, list[str]]) -> dict:
-    """Prefix caching on the mesh, each model in its ``layouts``, plain and MTP (k=2): a three-turn conversation
-    whose turns 2 and 3 restore the cached prefix (blocks written into a sharded row, state leaves,
-    the MTP slots) gives the tokens and logprobs of the single-device run without the cache."""
+def prefix_cache(paths: dict, layouts: dict[str, list[str]], drafts: dict[str, list[int]] | None = None) -> dict:
+    """Prefix caching on the mesh, each model in its ``layouts`` with each of its MTP draft counts
+    ``drafts[name]`` (default plain and k=2): a three-turn conversation whose turns 2 and 3 restore
+    the cached prefix (blocks written into a sharded row, state leaves, the MTP slots) gives the
+    tokens and logprobs of the single-device run without the cache."""
     from zoo.engine.generator import Generator
     from zoo.engine.prefix_cache import PrefixCache
 
@@ -250,7 +251,7 @@ def prefix_cache(paths: dict, layouts: dict[str, list[str]]) -> dict:
     out = {}
     for name, path in paths.items():
         ref = zoo.load(path, dtype="float32")
-        for k in (0, 2):
+        for k in (drafts or {}).get(name, (0, 2)):
             shape = {"prefill_chunk": 32, "context": 256, "max_batch": 2}
             want = converse(Generator(ref, spec_tokens=k, prefix_cache=0, **shape))
             for layout in layouts[name]:
