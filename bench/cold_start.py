@@ -82,7 +82,7 @@ def main() -> None:
     context = 1 << (a.prompt_tokens + 512).bit_length()
     args = ["--port", "0", "--log-level", "warning", "--spec", str(a.spec), "--context", str(context),
             "--max-batch", "4", "--compile-cache", str(workdir / "programs")]
-    words = a.prompt_tokens // 2                    # "ruleN" is about two tokens
+    words = a.prompt_tokens * 2 // 11               # " ruleN" is about 5.5 tokens of the demo tokenizer
     cold = one_start(workdir, "cold", args, words)
     cached = one_start(workdir, "cached", args, words)
     print(f"prompt ~{a.prompt_tokens} tokens, context {context}, spec {a.spec}")
