@@ -47,8 +47,12 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
 def mm(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("qwen-mm"))
     model = zoo.load(path, dtype="float32")
-    app = create_app(model, api_key=KEY, model_name="mm", max_batch=4)
+    app = create_app(model, api_key=KEY, model_name="mm", max_batch=4, warmup=True)
     with ServerThread(app) as s:
+        deadline = time.monotonic() + 900
+        while httpx.get(s.url + "/health").status_code != 200:     # warming up: every program, images too
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         s.model, s.path, s.app = model, path, app
         yield s
 
@@ -344,3 +348,28 @@ def test_an_image_over_the_engines_limit_is_a_400_and_leaves_no_waiting_job(mm):
         assert engine._waiting == 0 and not engine._jobs
         r = oa(s).chat.completions.create(model="mm", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
         assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_warmed_server_compiles_nothing_for_images(mm):
+    """The module's server warmed up before it served (``create_app(warmup=True)``): images of other
+    sizes and aspect ratios (other grids; this processor keeps every image under 64 tokens, so one
+    tower bucket: the buckets are ``tests/engine/test_images_compile_once.py``'s), two in one
+    message, through both SDKs, streamed or not, with logprobs, compile nothing
+    (``zoo.engine.compile_cache.CompileCounter``)."""
+    from zoo.engine.compile_cache import CompileCounter
+
+    two = [{"role": "user", "content": [{"type": "text", "text": "Compare "}, image_part(data_url(png(40, 24))),
+                                        image_part(data_url(png(64, 64, seed=2)))]}]
+    with CompileCounter() as counter:
+        for w, h in ((16, 16), (200, 120), (56, 30)):
+            oa(mm).chat.completions.create(model="mm", messages=chat_image(data_url(png(w, h))), max_tokens=3,
+                                           logprobs=True, top_logprobs=2)
+        oa(mm).chat.completions.create(model="mm", messages=two, max_tokens=3, temperature=0.8, seed=1)
+        with oa(mm).chat.completions.create(model="mm", messages=chat_image(data_url(png(90, 50))), max_tokens=3,
+                                            stream=True) as stream:
+            list(stream)
+        an(mm).messages.create(model="mm", max_tokens=3, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png(30, 70)).decode()}},
+            {"type": "text", "text": "What is it?"}]}])
+    assert counter.compiled == 0 and counter.loaded == 0, (counter.compiled, counter.loaded)
