@@ -26,6 +26,15 @@ from zoo.engine.request import ImageInput
 GB, NEW, CAP = 2**30, 4, 384            # CAP: not 256 * 2^i, so it is the last bucket itself
 
 
+def prompt_parts(model, seed: int):
+    """(patch dim, ``text(n)``: n random ids that are no special token, ``run_of(image)``: its
+    placeholder run with the start and end tokens) for building prompts with images."""
+    pad, start, end = image_tokens(model)
+    rng = np.random.default_rng(seed)
+    return (model.config.vision.patch_dim, lambda n: rng.integers(10, 400, n).tolist(),
+            lambda im: [start] + [pad] * im.n_tokens + [end])
+
+
 def test_the_buckets_are_powers_of_two_times_256_up_to_the_cap():
     assert image_buckets(1024) == (256, 512, 1024)
     assert image_buckets(1000) == (256, 512, 1000)
@@ -73,11 +82,7 @@ def image(grid, seed: int, dim: int) -> ImageInput:
 
 def test_a_warmed_generator_compiles_nothing_for_images_of_any_grid(warm):
     model, gen, _ = warm
-    dim = model.config.vision.patch_dim
-    pad, start, end = image_tokens(model)
-    rng = np.random.default_rng(0)
-    text = lambda n: rng.integers(10, 400, n).tolist()              # noqa: E731   no special id
-    run_of = lambda im: [start] + [pad] * im.n_tokens + [end]         # noqa: E731
+    dim, text, run_of = prompt_parts(model, seed=0)
     small, wide, frames = image((1, 4, 4), 1, dim), image((1, 6, 10), 2, dim), image((2, 4, 4), 3, dim)
     exact, near = image((1, 32, 32), 4, dim), image((1, 24, 60), 5, dim)     # 256 rows; 360 of 384
     left, right, inside = image((1, 4, 6), 6, dim), image((1, 8, 2), 7, dim), image((1, 16, 40), 8, dim)
@@ -133,11 +138,7 @@ def test_glm_warmed_compiles_nothing_for_images_of_any_grid(tmp_path_factory):
     assert names[-1] == f"prefill width=16 L={gen._L} with images + MTP rows" and len(names) == 3
     assert gen.program_set()[-1][2][-1].positions is None
     gen.warmup()
-    dim = model.config.vision.patch_dim
-    pad, start, end = image_tokens(model)
-    rng = np.random.default_rng(1)
-    text = lambda n: rng.integers(10, 400, n).tolist()              # noqa: E731   no special id
-    run_of = lambda im: [start] + [pad] * im.n_tokens + [end]         # noqa: E731
+    dim, text, run_of = prompt_parts(model, seed=1)
     square, wide, full = image((1, 4, 4), 1, dim), image((1, 6, 10), 2, dim), image((1, 8, 20), 3, dim)
     cases = [(text(3) + run_of(square) + text(2), [square]),
              (text(2) + run_of(wide) + text(3) + run_of(full) + text(1), [wide, full])]   # 15 + 40 rows
