@@ -162,7 +162,6 @@ class ImagePrefill:
         self.module = model.module
         self.dtype = model.module.dtype
         self.graphdef = graphdef
-        self.mesh = mesh
         self.buckets = image_buckets(max_image_tokens)
         self.max_rows = self.buckets[-1]
         self.merge = self.cfg.vision.spatial_merge_size

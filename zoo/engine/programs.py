@@ -7,7 +7,7 @@ batch state a configuration holds per device.
     program_set()        -> [(name, program, abstract args)]: decode at rows x L (with k MTP
                             drafts when speculating) and a prefill at each of ``prefill_widths``
                             (and, for a model with a vision tower, one with image inputs at each)
-    masked_chain()       -> [(name, program, args_from)]: the decode step split around grammar
+    masked_chain()       -> [(part, name, program, args_from)]: the decode step split around grammar
                             token masks (logits, pick; or draft, verify, settle), as they run
     warmup(progress)     -> [(name, seconds)]: each program run once on zeros through the calls
                             requests make; afterwards no request compiles anything
@@ -64,6 +64,12 @@ class ProgramSet:
         rest = {k: jax.tree.map(lambda x: with_sharding(x, replicated), v) for k, v in shapes.items() if k != "cache"}
         return {"cache": cache, **rest}
 
+    def _replicated_struct(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+        """A small argument of ``shape`` and ``dtype``, replicated on the model's mesh (if any)."""
+        mesh = getattr(self.model, "mesh", None)
+        sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
     @property
     def prefill_widths(self) -> tuple[int, ...]:
         """The prefill pieces' widths (``_plan``): the small one and the chunk where it fits the row."""
@@ -75,9 +81,7 @@ class ProgramSet:
         args ShapeDtypeStructs with their shardings on the model's mesh. The decode step at rows x L
         (with k MTP drafts when speculating) and the prefill at each of ``prefill_widths``; with a vision
         tower also the prefill with image inputs (its ``mm``, ``ImagePrefill.abstract_inputs``) at each."""
-        mesh = getattr(self.model, "mesh", None)
-        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        small = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
+        small = self._replicated_struct
         b, L = self._B, self._L
         batch = self.abstract_batch(b, L)
         decode = (self.weights, batch, small((b,), jnp.bool_), small((b,), jnp.int32), small((b,), jnp.int32),
@@ -99,15 +103,14 @@ class ProgramSet:
                                                                self._images.abstract_inputs(w, small))))
         return out
 
-    def masked_chain(self, keep_unused: bool = False) -> list[tuple[str, object, object]]:
+    def masked_chain(self, keep_unused: bool = False) -> list[tuple[str, str, object, object]]:
         """The decode step split around token masks (``zoo.engine.masked_step``): the programs a batch
-        with a grammar-constrained row runs instead of the decode step, ``(name, program, args_from)``
-        in the order they run, where ``args_from(outs)`` gives a part's abstract arguments from the
-        abstract outputs of the parts before it (``outs[part]``). ``zoo compile`` compiles them as a
-        chain, so each part sees the shardings the parts before it leave (``Compiled.out_info``)."""
-        mesh = getattr(self.model, "mesh", None)
-        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        small = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)   # noqa: E731
+        with a grammar-constrained row runs instead of the decode step, ``(part, name, program,
+        args_from)`` in the order they run (``part``: "logits", "pick", or "draft", "verify",
+        "settle"), where ``args_from(outs)`` gives a part's abstract arguments from the abstract
+        outputs of the parts before it (``outs[part]``). ``zoo compile`` compiles them as a chain, so
+        each part sees the shardings the parts before it leave (``Compiled.out_info``)."""
+        small = self._replicated_struct
         b, L, k, parts = self._B, self._L, self.k, self._masked
         batch, w = self.abstract_batch(b, L), self.weights
         active, force, cap, want = (small((b,), jnp.bool_), small((b,), jnp.int32), small((b,), jnp.int32),
@@ -120,7 +123,7 @@ class ProgramSet:
                 "settle": lambda o: (w, o["verify"][0], o["verify"][3], o["verify"][1], o["verify"][2],
                                      o["draft"][2], o["draft"][1], active, force, cap, masks, want)}
         shape = f" B={b} L={L}" + (f" k={k}" if k else "")
-        return [(f"decode with token masks: {name}{shape}", parts.jitted(name, keep_unused), make[name])
+        return [(name, f"decode with token masks: {name}{shape}", parts.jitted(name, keep_unused), make[name])
                 for name in parts.parts]
 
     def warmup(self, progress=None) -> list[tuple[str, float]]:

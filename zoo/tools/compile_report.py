@@ -225,16 +225,19 @@ class _Session:
         roofline: the parts share one step's reads). A part that does not fit ends the chain."""
         gen = self.generator(spec_tokens, batch, context)
         outs, reports = {}, []
-        for label, fn, args_from in gen.masked_chain(keep_unused=True):
+        for part, label, fn, args_from in gen.masked_chain(keep_unused=True):
             args = args_from(outs)
-            part = label.split(":")[1].split()[0]
-            reports.append(self._report(label, fn, args, args[0] if part == "pick" else args[1], None, outs, part))
+            batch_state = next(a for a in args if isinstance(a, dict) and "cache" in a)
+            reports.append(self._report(label, fn, args, batch_state, None,
+                                        on_outputs=lambda o, part=part: outs.__setitem__(part, o)))
             if "error" in reports[-1]:
                 break
         return reports
 
-    def _report(self, label: str, fn, args: tuple, state, read: dict | None, outs: dict | None = None,
-                part: str | None = None) -> dict:
+    def _report(self, label: str, fn, args: tuple, state, read: dict | None, on_outputs=None) -> dict:
+        """Compile ``fn`` on ``args``: its memory report (``state``: the batch state among them; ``read``:
+        the roofline's must-read bytes, None: no roofline); ``on_outputs(abstract outputs)`` is called
+        with the compiled program's outputs (their shardings, no layouts) when it compiled."""
         try:
             memory, seconds, pallas, cost, calls, text, out_info = _compile(fn, args, self.model.mesh,
                                                                             self.target.backend)
@@ -244,8 +247,8 @@ class _Session:
                 raise
             return {"name": label, "error": str(e).splitlines()[0][:500], "required": required,
                     "usable": self.usable, "margin": self.usable - required, "fits": False}
-        if outs is not None:        # the next part's arguments: these outputs, their shardings, no layouts
-            outs[part] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out_info)
+        if on_outputs is not None:
+            on_outputs(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out_info))
         if self.hlo_dir:
             os.makedirs(self.hlo_dir, exist_ok=True)
             with open(os.path.join(self.hlo_dir, re.sub(r"[^\w.=-]+", "_", label) + ".hlo"), "w") as f:

@@ -162,20 +162,6 @@ class Glm53(CausalLM):
                              "loaded with vision=False)")
         return self.visual(patches, grid_thw)
 
-    def image_geometry(self, grid_thw, n_patches: int):
-        """Host side of ``encode_images_padded``: the tower's ``PatchGeometry`` of ``grid_thw`` padded
-        to ``n_patches`` rows (``vision.VisionTower.geometry``)."""
-        if self.visual is None:
-            raise ValueError("this model has no vision tower")
-        return self.visual.geometry(grid_thw, n_patches)
-
-    def encode_images_padded(self, patches: jax.Array, geometry) -> jax.Array:
-        """The fixed-shape tower: patches [n, C*T*P*P] zero-padded to ``geometry``'s n rows -> rows
-        [n / m^2, D] in the model dtype, the first ones ``encode_images``' (``VisionTower.encode_padded``)."""
-        if self.visual is None:
-            raise ValueError("this model has no vision tower")
-        return self.visual.encode_padded(patches, geometry).astype(self.dtype)
-
     def embed(self, ids: jax.Array, mm: MMInputs | None = None) -> jax.Array:
         """Input embeddings [B, T, D]: the tokens', or the tower's rows where ``mm.is_image``."""
         x = self.embed_tokens(ids)

@@ -124,20 +124,6 @@ class Qwen38(CausalLM):
         merged, _ = self.visual(patches, grid_thw)
         return merged.astype(self.dtype)
 
-    def image_geometry(self, grid_thw, n_patches: int):
-        """Host side of ``encode_images_padded``: the tower's ``PatchGeometry`` of ``grid_thw`` padded
-        to ``n_patches`` rows (``vision.VisionTower.geometry``)."""
-        if self.visual is None:
-            raise ValueError("this model has no vision tower (config.vision is None)")
-        return self.visual.geometry(grid_thw, n_patches)
-
-    def encode_images_padded(self, patches: jax.Array, geometry) -> jax.Array:
-        """The fixed-shape tower: patches [n, C*T*P*P] zero-padded to ``geometry``'s n rows -> rows
-        [n / m^2, D] in the model dtype, the first ones ``encode_images``' (``VisionTower.encode_padded``)."""
-        if self.visual is None:
-            raise ValueError("this model has no vision tower (config.vision is None)")
-        return self.visual.encode_padded(patches, geometry).astype(self.dtype)
-
     # -- forward ----------------------------------------------------------------------------
     def __call__(self, ids: jax.Array, mask: jax.Array, cache: ModelCache, keep_steps: bool = False,
                  mm: MMInputs | None = None):

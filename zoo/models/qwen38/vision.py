@@ -390,18 +390,20 @@ class VisionTower(nnx.Module):
         if tuple(patches.shape) != (n, cfg.patch_dim):
             raise ValueError(f"patches have shape {tuple(patches.shape)}; grid {grid} needs ({n}, {cfg.patch_dim})")
         idx, weights = interpolation_taps(grid, cfg.grid_side, m)
-        x = self._embed(patches, idx, weights)
-        cos, sin = rotary_tables_2d(rotary_positions(grid, m), cfg.head_dim, cfg.rope_theta)
-        segments = frame_segments(grid)
+        return self._forward(patches, idx, weights, rotary_positions(grid, m), frame_segments(grid))
+
+    def _forward(self, patches, idx, weights, positions, segments) -> tuple[jax.Array, jax.Array]:
+        """The tower from patches [N, C*T*P*P], the position table's taps (``idx``, ``weights`` [N, 4]),
+        the rotary ``positions`` [N, 2] and ``segments`` as ``VisionAttention`` takes them ->
+        (merged [N/m^2, out_hidden], last hidden [N, D])."""
+        cfg = self.config
+        x = self.patch_embed(patches.astype(self.dtype))
+        taps = jnp.take(self.pos_embed[...], jnp.asarray(idx), axis=0).astype(jnp.float32)   # [N, 4, D]
+        x = x + jnp.sum(taps * jnp.asarray(weights)[..., None], axis=1).astype(x.dtype)
+        cos, sin = rotary_tables_2d(positions, cfg.head_dim, cfg.rope_theta)
         for block in self.blocks:
             x = block(x, cos, sin, segments)
         return self.merger(x), x
-
-    def _embed(self, patches, idx, weights) -> jax.Array:
-        """Patch embedding plus the interpolated position table (``idx``, ``weights`` [N, 4])."""
-        x = self.patch_embed(patches.astype(self.dtype))
-        taps = jnp.take(self.pos_embed[...], jnp.asarray(idx), axis=0).astype(jnp.float32)   # [N, 4, D]
-        return x + jnp.sum(taps * jnp.asarray(weights)[..., None], axis=1).astype(x.dtype)
 
     def geometry(self, grid_thw, n_patches: int) -> PatchGeometry:
         """Host side of ``encode_padded``: the ``PatchGeometry`` of ``grid_thw`` padded to ``n_patches``
@@ -424,12 +426,8 @@ class VisionTower(nnx.Module):
         if patches.shape[1] != cfg.patch_dim or geometry.segments.shape != (n,):
             raise ValueError(f"patches {tuple(patches.shape)} and segments {tuple(geometry.segments.shape)}: "
                              f"expected ({n}, {cfg.patch_dim}) and ({n},)")
-        x = self._embed(patches, geometry.taps, geometry.tap_weights)
-        cos, sin = rotary_tables_2d(geometry.positions, cfg.head_dim, cfg.rope_theta)
-        segments = jnp.asarray(geometry.segments, jnp.int32)
-        for block in self.blocks:
-            x = block(x, cos, sin, segments)
-        return self.merger(x)
+        return self._forward(patches, geometry.taps, geometry.tap_weights, geometry.positions,
+                             jnp.asarray(geometry.segments, jnp.int32))[0]
 
 
 def jit_tower(tower: VisionTower):

@@ -1,6 +1,6 @@
 """``CausalLM``: what every causal LM of the zoo shares around its forward (the contract in
 ``zoo.models.contract``): the cache layout, the output head, the MTP forward, rollback and the MTP
-bookkeeping.
+bookkeeping, and the fixed-shape path of a vision tower (``image_geometry``, ``encode_images_padded``).
 
 A model defines ``__call__`` and its position bookkeeping, as three functions of its slots
 container (the ``cache.slots`` its attention layers share):
@@ -37,6 +37,22 @@ class CausalLM(nnx.Module):
         raise NotImplementedError
 
     # -- shared -------------------------------------------------------------------------------------
+    def image_geometry(self, grid_thw, n_patches: int):
+        """Host side of ``encode_images_padded``: the vision tower's ``PatchGeometry`` of ``grid_thw``
+        padded to ``n_patches`` rows (``VisionTower.geometry``)."""
+        return self._tower().geometry(grid_thw, n_patches)
+
+    def encode_images_padded(self, patches: jax.Array, geometry) -> jax.Array:
+        """The fixed-shape tower: patches [n, C*T*P*P] zero-padded to ``geometry``'s n rows -> rows
+        [n / m^2, D] in the model dtype, the first ones ``encode_images``' (``VisionTower.encode_padded``)."""
+        return self._tower().encode_padded(patches, geometry).astype(self.dtype)
+
+    def _tower(self):
+        """The vision tower (``visual``); ``ValueError`` for a model without one."""
+        if getattr(self, "visual", None) is None:
+            raise ValueError("this model has no vision tower (no vision_config, or loaded with vision=False)")
+        return self.visual
+
     def init_cache(self, batch: int, length: int) -> ModelCache:
         """A zeroed cache for ``batch`` rows and ``length`` token slots."""
         mtp = None if self.mtp is None else MTPCache(
