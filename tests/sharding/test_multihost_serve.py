@@ -1,5 +1,5 @@
 """``zoo serve`` over several processes (``zoo.cli.serve``, ``zoo.engine.replica``): the real command
-on 2 processes x 4 CPU devices (gloo collectives) against 1 process on 1 device.
+on 2 processes of one CPU device each (gloo collectives) against 1 process on 1 device.
 
 Process 0 serves HTTP and drives the engine; process 1 replays its steps. The same conversation
 through both SDKs (greedy and sampled chat, two choices, an output grammar, a tool call, a stream
@@ -28,6 +28,11 @@ from tests.support.multihost import free_port, start, tail, wait_all
 from zoo.train import corpus
 
 KEY = "multihost-key"
+# One device per process: what this file adds to ``test_multihost`` (whose engine session runs on 2 x 4
+# devices) is the HTTP surfaces and every request option over the replica channel, which do not depend
+# on a process's device count; 4 devices each with gloo collectives on 2 cores made the conversation
+# take 2.5x as long (181 s against 72 s, alone).
+DEVICES = 1
 # float32: 1 x 8 and 2 x 4 devices reduce in other orders; the answers must not hinge on a bf16 tie.
 # A prefix-cache device tier of ~0.1 MB moves every entry to host RAM at once: hits restore from there.
 # Small fixed shapes (the engine's programs are compiled for them); the conversation warms up every
@@ -106,7 +111,7 @@ def test_a_conversation_through_process_0_equals_one_process(tmp_path):
         want = conversation(url)
     args = ("--model", "qwen38-tiny", "--mesh", "tp", *EXACT)
     assert wait_all(procs, 1) == [0]
-    with zoo_serve(tmp_path / "two", 2, 4, args) as (procs, url):
+    with zoo_serve(tmp_path / "two", 2, DEVICES, args) as (procs, url):
         got = conversation(url)
         procs[0].send_signal(signal.SIGTERM)             # the drain, then the followers are told to stop
         codes = wait_all(procs, 60)
@@ -123,7 +128,7 @@ def test_a_conversation_through_process_0_equals_one_process(tmp_path):
 def test_a_follower_lost_mid_stream_ends_it_with_an_error_and_process_0_exits_3(tmp_path, how):
     """A follower killed (dies) or stopped (SIGSTOP: hangs) while a stream runs: the stream ends with
     an error naming it, process 0 exits with status 3 within --follower-timeout (5 s) and a grace."""
-    with zoo_serve(tmp_path, 2, 4, ("--mesh", "tp", *LAZY)) as (procs, url):
+    with zoo_serve(tmp_path, 2, DEVICES, ("--mesh", "tp", *LAZY)) as (procs, url):
         oa = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=600)
         chunks, error = 0, None
         try:
@@ -151,10 +156,10 @@ def test_a_follower_given_another_model_or_losing_its_leader_ends(tmp_path, case
     a follower whose process 0 is killed ends too (bounded)."""
     follower = ["--model", "glm53-tiny"] if case == "model" else []
     coordinator = f"127.0.0.1:{free_port()}"
-    procs = start("zoo", [*ARGS, "--mesh", "tp", *LAZY], 1, 4, tmp_path, num_processes=2, coordinator=coordinator,
+    procs = start("zoo", [*ARGS, "--mesh", "tp", *LAZY], 1, DEVICES, tmp_path, num_processes=2, coordinator=coordinator,
                   env={"ZOO_API_KEY": KEY})
     logs1 = tmp_path / "one"        # process 1, with its own command line
-    procs += start("zoo", [*ARGS, "--mesh", "tp", *LAZY, *follower], 1, 4, logs1, num_processes=2,
+    procs += start("zoo", [*ARGS, "--mesh", "tp", *LAZY, *follower], 1, DEVICES, logs1, num_processes=2,
                    coordinator=coordinator,
                    env={"ZOO_PROCESS_ID": "1"})
     try:
