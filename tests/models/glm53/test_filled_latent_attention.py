@@ -47,5 +47,9 @@ def test_row_independent_and_blocks_follow_fill():
     b = run(q, c, sel, jnp.asarray([60, 3000], jnp.int32), C ** -0.5)
     assert int(blocks_visited(short, 2, 4096)) == 1
     assert int(blocks_visited(jnp.asarray([60, 3000]), 2, 4096)) == 6
+    idle = jnp.asarray([True, False])                      # row 1 has no token in the call: not read
+    assert int(blocks_visited(jnp.asarray([60, 3000]), 2, 4096, idle)) == 1
+    c_ = run(q, c, sel, jnp.asarray([60, 3000], jnp.int32), C ** -0.5, idle)
+    assert np.array_equal(np.asarray(a[0]), np.asarray(c_[0])) and np.isfinite(np.asarray(c_)).all()
     assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
     assert key_block(32768) == 512 and key_block(4160) is None

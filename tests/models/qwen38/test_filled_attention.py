@@ -23,13 +23,13 @@ from zoo.models.shared.filled_blocks import blocks_visited, key_block
 B, H, G, D = 2, 4, 2, 16
 
 
-def case(length: int, filled: list[int], t: int, seed: int = 0):
+def case(length: int, filled: list[int], t: int, seed: int = 0, live=(True, True)):
     """Row b already holding ``filled[b]`` tokens in its first slots (each row its own write index,
-    as the engine's rows), then a call of ``t`` tokens."""
+    as the engine's rows), then a call of ``t`` tokens (all padding in a row that is not ``live``)."""
     rng = np.random.default_rng(seed)
     index = jnp.asarray(filled, jnp.int32)
     meta = SlotMeta(index=index, pos=index, valid=jnp.arange(length)[None, :] < index[:, None])
-    fields, _, _ = advance_slots(meta, jnp.ones((B, t), bool))
+    fields, _, _ = advance_slots(meta, jnp.broadcast_to(jnp.asarray(live)[:, None], (B, t)))
     slots = Slots(cos=jnp.zeros((B, t, 2)), sin=jnp.zeros((B, t, 2)), **fields)
     q = jnp.asarray(rng.standard_normal((B, t, H, D)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((B, G, length, D)), jnp.float32)
@@ -56,6 +56,22 @@ def test_row_independent_of_other_rows():
     assert int(blocks_visited(short[3].write_at, 3, 4096)) == 1 and int(blocks_visited(long_[3].write_at, 3, 4096)) == 6
     assert not np.array_equal(np.asarray(a[1]), np.asarray(b[1]))
     assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
+
+
+def test_an_idle_row_does_not_widen_the_call():
+    """A row with no real token in the call (a finished request's row, its write index at 3000) reads
+    nothing for anyone: the call visits the live row's one block, and the live row's result is
+    bit-identical to a call where the idle row is short."""
+    run = jax.jit(filled_attention, static_argnums=4)
+    idle_long = case(4096, [60, 3000], 1, seed=2, live=(True, False))
+    idle_short = case(4096, [60, 10], 1, seed=2, live=(True, False))
+    assert np.asarray(idle_long[3].live).tolist() == [True, False]
+    assert int(blocks_visited(idle_long[3].write_at, 1, 4096, idle_long[3].live)) == 1
+    assert int(blocks_visited(idle_long[3].write_at, 1, 4096)) == 6           # what it cost before
+    assert int(blocks_visited(idle_long[3].write_at, 1, 4096, jnp.asarray([False, False]))) == 1   # at least one
+    a, b = run(*idle_long, D ** -0.5), run(*idle_short, D ** -0.5)
+    assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    assert np.isfinite(np.asarray(a)).all()
 
 
 def test_blocks_follow_the_tokens_present():

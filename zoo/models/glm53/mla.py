@@ -216,10 +216,10 @@ def latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Array, sc
 
 
 def filled_latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Array, write_at: jax.Array,
-                            scale: float) -> jax.Array:
+                            scale: float, live: jax.Array | None = None) -> jax.Array:
     """:func:`latent_attention` over the filled part of the window only
-    (``zoo.models.shared.filled_blocks``: latent blocks up to the last slot any row holds,
-    ``write_at [B]`` + T, online softmax; one program for every fill level). Where the mesh splits
+    (``zoo.models.shared.filled_blocks``: latent blocks up to the last slot any ``live [B]`` row
+    holds, ``write_at [B]`` + T, online softmax; one program for every fill level). Where the mesh splits
     the latent cache over its slots ("tp"), the whole window (each chip reads its share; a dynamic
     slice across shards would gather the cache)."""
     b, t, h, ch = q_latent.shape
@@ -237,7 +237,7 @@ def filled_latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Ar
         mix = lambda p: einsum("bthl,blc->bthc", p.astype(q_latent.dtype), cb).astype(jnp.float32)   # noqa: E731
         return jnp.where(sel[:, :, None], scores, F32_MIN), mix
 
-    n_blocks = blocks_visited(write_at, t, length)
+    n_blocks = blocks_visited(write_at, t, length, live)
     return online_softmax(n_blocks, block, block_fn, (b, t, h), ch).astype(q_latent.dtype)
 
 
@@ -301,6 +301,6 @@ class MultiLatentAttention(nnx.Module):
         # result in q's dtype directly (accumulated in f32 by every backend): XLA:CPU has no bf16 x bf16
         # -> f32 dot for this layout
         q_latent = jnp.einsum("bthd,hdc->bthc", q, w_k, precision=precision_for(q.dtype))
-        o_latent = filled_latent_attention(q_latent, c, selection, pos.write_at, self.dn ** -0.5)
+        o_latent = filled_latent_attention(q_latent, c, selection, pos.write_at, self.dn ** -0.5, pos.count > 0)
         o = einsum("bthc,hdc->bthd", o_latent, w_v)
         return self.o_proj(o.reshape(b, t, self.n_heads * self.dv)), cache, selection

@@ -34,12 +34,14 @@ class Slots(NamedTuple):
     write_at   [B]     first slot written by this call (tokens go to write_at .. write_at+T-1)
     key_valid  [B, L]  slot holds a real token (after this call's writes)
     query_slot [B, T]  the slot of each query token (causality: a query reads slots <= its own)
+    live       [B]     the row has a real token in this call (idle rows do not widen what is read)
     cos, sin   [B, T, rotary_dim] rotary tables at the tokens' positions
     """
 
     write_at: jax.Array
     key_valid: jax.Array
     query_slot: jax.Array
+    live: jax.Array
     cos: jax.Array
     sin: jax.Array
 
@@ -81,7 +83,7 @@ def advance_slots(meta: SlotMeta, mask: jax.Array) -> tuple[dict, jax.Array, Slo
     query_slot = write_at[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = jnp.maximum(meta.pos[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
     new_meta = SlotMeta(index=write_at + t, pos=meta.pos + mask.sum(axis=1, dtype=jnp.int32), valid=valid)
-    return dict(write_at=write_at, key_valid=valid, query_slot=query_slot), positions, new_meta
+    return dict(write_at=write_at, key_valid=valid, query_slot=query_slot, live=mask.any(axis=1)), positions, new_meta
 
 
 def rollback_slots(before: SlotMeta, after: SlotMeta, n_keep: jax.Array) -> SlotMeta:
@@ -121,8 +123,8 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float) -> jax.Array:
     """:func:`grouped_attention` over the filled part of the window only
-    (``zoo.models.shared.filled_blocks``: key blocks up to the last slot any row has written,
-    ``max(write_at) + T``, online softmax; one program for every fill level, its cost following the
+    (``zoo.models.shared.filled_blocks``: key blocks up to the last slot any live row has
+    written, ``max(write_at) + T``, online softmax; one program for every fill level, its cost following the
     tokens present). Shapes as :func:`grouped_attention`; ``slots`` gives the mask."""
     b, t, h, dk = q.shape
     g, length, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -144,7 +146,7 @@ def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
                                    precision=precision_for(q.dtype)).astype(jnp.float32)
         return jnp.where(mask[:, None, None], scores, F32_MIN), mix
 
-    n_blocks = blocks_visited(slots.write_at, t, length)
+    n_blocks = blocks_visited(slots.write_at, t, length, slots.live)
     out = online_softmax(n_blocks, block, block_fn, (b, g, r, t), dv).astype(q.dtype)    # [B, G, R, T, Dv]
     return jnp.moveaxis(out, 3, 1).reshape(b, t, h, dv)
 

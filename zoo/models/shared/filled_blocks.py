@@ -3,7 +3,8 @@ combined with an online softmax (flash-attention style), shared by Qwen's gated 
 absorbed MLA.
 
     key_block(L) -> 512 | 256 | None         slots per block (None: the window is under two blocks)
-    blocks_visited(write_at [B], T, L) -> int32 scalar, blocks up to max(write_at) + T
+    blocks_visited(write_at [B], T, L, live [B]) -> int32 scalar, blocks up to max(write_at) + T over
+        the live rows (those with a real token in the call), at least one
     online_softmax(n_blocks, block, block_fn, stats_shape, d_out) -> float32 [*stats_shape, d_out]
         block_fn(start) -> (scores float32 [*stats_shape, S], masked entries at F32_MIN,
                             mix: p [*stats_shape, S] -> float32 [*stats_shape, d_out])
@@ -30,11 +31,18 @@ def key_block(length: int) -> int | None:
     return next((n for n in (512, 256) if length % n == 0 and length >= 2 * n), None)
 
 
-def blocks_visited(write_at: jax.Array, t: int, length: int) -> jax.Array:
+def blocks_visited(write_at: jax.Array, t: int, length: int, live: jax.Array | None = None) -> jax.Array:
     """int32 scalar: the key blocks a call of ``t`` tokens written at ``write_at [B]`` reads, those up
-    to the last slot any row holds after the call (``max(write_at) + t``)."""
+    to the last slot a live row holds after the call (``max(write_at) + t`` over the rows where
+    ``live [B]`` holds, every row if None), and at least one.
+
+    ``live``: the rows with a real token in this call. An idle row (a finished request's, or one never
+    used, whose write index still moves with every step) does not widen the call: after a long
+    request ends, the steps of the short ones read their own fill again. An idle row's output is
+    never used (it is finite: a query with no visible key averages the visited slots)."""
     block = key_block(length) or length
-    return jnp.minimum((jnp.max(write_at) + t + block - 1) // block, length // block).astype(jnp.int32)
+    reach = write_at + t if live is None else jnp.where(live, write_at + t, 0)
+    return jnp.clip((jnp.max(reach) + block - 1) // block, 1, length // block).astype(jnp.int32)
 
 
 def online_softmax(n_blocks: jax.Array, block: int, block_fn: Callable, stats_shape: tuple[int, ...],
