@@ -16,7 +16,15 @@ from pydantic import BaseModel, Field
 
 import zoo
 from tests.support.random_checkpoints import random_tiny_checkpoint
-from zoo.engine.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
+from zoo.engine.constraint import (
+    LIMITS,
+    Constraint,
+    GrammarRejected,
+    OutputGrammar,
+    compile_constraints,
+    llg_tokenizer,
+    mask_words,
+)
 from zoo.engine.generator import Generator
 from zoo.engine.request import fork_seed
 from zoo.engine.token_mask import apply_token_mask
@@ -166,6 +174,46 @@ def test_bad_grammars_name_the_problem(vocab):
             G.check(build(arg), vocab)
     with pytest.raises(ValueError, match="strin"):
         Constraint(vocab, G.json_schema({"type": "strin"}))
+
+
+def test_grammars_that_cannot_start_are_refused_at_compile(vocab):
+    """Empty languages llguidance can tell (a $ref loop, an impossible class, a rule that never
+    ends) are ``GrammarRejected`` by ``compile_constraints`` (their first mask: in error, or only the
+    end of the sequence allowed), with a one-line message and no parser dump; a grammar whose empty
+    output is complete is not refused. A regex bomb starts (llguidance lexes lazily) and its lexer
+    gives up within a few tokens: the constraint's ``error`` is set by the mask that cannot go on,
+    rather than a mask of end-of-sequence only that would end the choice "stop", silently cut."""
+    for grammar in [G.json_schema({"$ref": "#"}), G.regex("[a&&b]"), G.lark('start: a\na: a "x"')]:
+        with pytest.raises(GrammarRejected, match="it matches no text: no token can start") as e:
+            compile_constraints(vocab, OutputGrammar(grammar), 2)
+        assert "\n" not in str(e.value) and "<state>" not in str(e.value)
+    assert len(compile_constraints(vocab, OutputGrammar(G.regex("a{0,3}")), 1)) == 1
+    for pattern in ("(a{1000}){1000}", "(a{669}){918}"):
+        c = compile_constraints(vocab, OutputGrammar(G.regex(pattern)), 1)[0]
+        row = np.zeros((1, c.words), np.int32)
+        for _ in range(4):
+            c.fill(row)
+            if c.error is not None:
+                break
+            c.advance([int(allowed(row[0], vocab.vocab_size)[0])])
+        assert c.error is not None and c.error.startswith("the output grammar cannot go on"), (pattern, c.error)
+    assert LIMITS.initial_lexer_fuel == 200_000 and LIMITS.step_max_items == 20_000 and not LIMITS.verbose_errors
+
+
+def test_choices_share_one_compile_and_walk_independently(model, vocab):
+    """``compile_constraints`` compiles once and copies: each choice's matcher is its own (one
+    choice's tokens do not move another's), and each walk is valid."""
+    rng = np.random.default_rng(0)
+    first, second = compile_constraints(vocab, OutputGrammar(G.json_schema(SCHEMA, strict=True)), 2)
+    assert first.matcher is not second.matcher
+    a = walk(first, vocab.vocab_size, rng)
+    row = np.zeros((1, second.words), np.int32)
+    second.fill(row)
+    fresh = np.zeros((1, second.words), np.int32)
+    compile_constraints(vocab, OutputGrammar(G.json_schema(SCHEMA, strict=True)), 1)[0].fill(fresh)
+    assert np.array_equal(row, fresh)                     # untouched by the first choice's walk
+    assert first.complete
+    Person.model_validate_json(model.tokenizer.decode(a))
 
 
 @pytest.mark.parametrize("k", [0, 2])

@@ -16,6 +16,13 @@ text, and each ``<tool_call>`` constrained to a call); without it, a complete gr
 request. Tokens the engine forces (a thinking budget's ``</think>`` and the layout after it) pass
 the gate but are not grammar output.
 
+Compiling (``compile_constraints``): one llguidance matcher per request, under ``LIMITS``, copied for
+each choice; the first mask is computed there, so a grammar llguidance finds empty (a ``$ref`` loop
+with no base case, an impossible regex class, a Lark rule that never ends) or one that exceeds a
+limit on its first step is refused (``GrammarRejected``) before the request takes a row. A limit
+hit later, in the middle of an output, ends that choice with ``error`` set (the server answers it
+as that choice's error, never the whole request's).
+
 Speculative decoding: ``fill(rows, drafts)`` writes the masks of the k+1 verify positions: position
 0 from the current state, position i after drafts 1..i, which the matcher consumes tentatively and
 then rolls back (a draft the grammar refuses ends it: the positions after it are left all-allowed,
@@ -32,6 +39,25 @@ import llguidance
 import numpy as np
 
 ALL = -1                                    # an all-allowed mask word
+
+# llguidance's limits, chosen (defaults in parentheses; speeds from llguidance's documentation):
+# - lexer fuel to build a grammar's regexes 200k (1M, ~50k/ms): a regex bomb such as (a{1000}){1000}
+#   fails in ~0.2 s instead of ~2-4 s; JSON schemas and tool grammars of realistic size use far less;
+# - lexer fuel per mask 100k (200k, ~14k/ms): one constrained row's mask costs at most ~7 ms of lexing;
+# - Earley items per mask 20k (50k, ~20k/ms): at most ~1 ms of parsing per mask; past either, the
+#   choice ends with an error rather than slowing every row of the batch;
+# - lexer states 50k (250k, 1-2 kB each): at most ~100 MB of lexer per request;
+# - grammar symbols 200k (500k): with the server's size cap on grammar text (``zoo.server.grammar``)
+#   this is a backstop;
+# - items per grammar row 2000 (the default): a choice list of more options is refused before this;
+# - errors without parser dumps (``verbose_errors``): the message names the limit, not the state.
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=200_000, step_lexer_fuel=100_000, step_max_items=20_000,
+                                   max_lexer_states=50_000, max_grammar_size=200_000, max_items_in_row=2000,
+                                   verbose_errors=False)
+
+
+class GrammarRejected(ValueError):
+    """A grammar that does not compile, exceeds ``LIMITS``, or matches no text at all."""
 
 
 def mask_words(vocab: int) -> int:
@@ -62,6 +88,7 @@ class OutputGrammar:
     wait: tuple[tuple[int, ...], ...] = ()
     rearm: tuple[int, ...] | None = None
     reasoning: tuple[int, tuple[int, ...]] | None = None    # (opening token, close sequence)
+    source: str = "the output grammar"                        # the request field it came from (errors name it)
 
 
 class Constraint:
@@ -69,10 +96,11 @@ class Constraint:
     (``zoo.server.grammar``), already checked; ``wait`` / ``rearm``: token-id sequences."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, *, wait=(), rearm=None, reasoning=None):
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if self.matcher.is_error():
-            raise ValueError(self.matcher.get_error())
+            raise GrammarRejected(_clean(self.matcher.get_error()))
         self.words = mask_words(tokenizer.vocab_size)
+        self.eos = frozenset(tokenizer.eos_tokens)
         self.wait = [tuple(w) for w in wait if w]
         self.rearm = tuple(rearm) if rearm else None
         self.tail: list[int] = []           # recent tokens while the gate waits
@@ -83,6 +111,39 @@ class Constraint:
     @property
     def armed(self) -> bool:
         return not self.wait
+
+    def copy(self) -> "Constraint":
+        """The same constraint, fresh for another choice: the matcher deep-copied (nothing compiles
+        again). Call before any token was fed."""
+        new = object.__new__(Constraint)
+        new.__dict__.update(self.__dict__)
+        new.matcher, new.wait, new.tail = self.matcher.deep_copy(), list(self.wait), list(self.tail)
+        return new
+
+    def check_start(self) -> None:
+        """``GrammarRejected`` if the grammar cannot even start (``dead_end`` of its first mask,
+        computed here, the gate aside): how llguidance shows a grammar whose language is empty or a
+        limit hit on the first step."""
+        rows = np.zeros((1, self.words), np.int32)
+        self.matcher.unsafe_compute_mask_ptr(rows.ctypes.data, rows.shape[1] * 4)
+        why = self.dead_end(rows[0])
+        if why is not None:
+            raise GrammarRejected("it matches no text: " + why)
+
+    def dead_end(self, row: np.ndarray) -> str | None:
+        """Why the output cannot go on from the mask ``row`` [W] just computed, or None: the matcher is
+        in error (a limit hit), or the mask allows only end-of-sequence ids while the output so far
+        is not complete (llguidance's answer when its lexer gave up; its error flag may only follow
+        on a later mask). Such a choice would otherwise end "stop", silently cut."""
+        if self.matcher.is_error():
+            error = _clean(self.matcher.get_error())
+            return "no token can start or continue the output" if error == "NoExtensionBias" else error
+        words = np.flatnonzero(row)
+        if len(words) <= len(self.eos) and not self.matcher.is_accepting():
+            bits = np.flatnonzero(np.unpackbits(row[words].view(np.uint8), bitorder="little").reshape(len(words), 32))
+            if set((words[bits // 32] * 32 + bits % 32).tolist()) <= self.eos:
+                return "no token can continue the output (a limit of the grammar engine was hit)"
+        return None
 
     # -- the gate ---------------------------------------------------------------------------------
     @staticmethod
@@ -118,7 +179,7 @@ class Constraint:
             elif forced:
                 pass
             elif not self.matcher.consume_token(int(tok)):
-                self.error = f"token {tok} broke the output grammar: {self.matcher.get_error()}"
+                self.error = f"token {tok} broke the output grammar: {_clean(self.matcher.get_error())}"
                 return n
             elif self.matcher.is_stopped():
                 if self.rearm:
@@ -137,6 +198,10 @@ class Constraint:
         for i in range(len(drafts) + 1):
             if not wait:
                 self.matcher.unsafe_compute_mask_ptr(rows[i].ctypes.data, rows.shape[1] * 4)
+                if i == 0 and self.error is None:
+                    why = self.dead_end(rows[0])
+                    if why is not None:
+                        self.error = f"the output grammar cannot go on: {why}"    # the step ends the choice
             if i == 0 and self.reasoning is not None:
                 opening = self.reasoning[0]
                 rows[0, opening // 32] |= np.int32(np.uint32(1 << (opening % 32)).view(np.int32))
@@ -153,3 +218,16 @@ class Constraint:
                 consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
+
+
+def _clean(error: str) -> str:
+    """llguidance's error without its non-verbose marker and trailing detail lines."""
+    return error.replace("<non-verbose/>", "").strip().splitlines()[0] if error.strip() else "rejected"
+
+
+def compile_constraints(tokenizer: llguidance.LLTokenizer, grammar: OutputGrammar, n: int) -> list[Constraint]:
+    """``n`` fresh constraints of ``grammar``: compiled once under ``LIMITS`` and checked to start
+    (``Constraint.check_start``), then copied; ``GrammarRejected`` naming what is wrong."""
+    first = Constraint(tokenizer, grammar.grammar, wait=grammar.wait, rearm=grammar.rearm, reasoning=grammar.reasoning)
+    first.copy().check_start()
+    return [first] + [first.copy() for _ in range(n - 1)]

@@ -91,7 +91,7 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 from zoo.engine import speculative
 from zoo.engine.admission import Admission
-from zoo.engine.constraint import Constraint, OutputGrammar, llg_tokenizer, mask_words
+from zoo.engine.constraint import Constraint, OutputGrammar, compile_constraints, llg_tokenizer, mask_words
 from zoo.engine.fill import Fill, round_up
 from zoo.engine.image_prefill import ImagePrefill, check_images, multimodal
 from zoo.engine.logprobs import TokenLogprob, maybe_token_logprobs, records, to_numpy
@@ -514,7 +514,7 @@ class Generator(ProgramSet, Admission):
             accepted = accepted[:d.taken]
         self._emit(req, accepted, recs, text)
         if c is not None and c.error is not None:
-            req.stats["error"] = c.error
+            req.stats["error"], req.stats["error_status"] = c.error, 400     # the request's grammar, not the engine
             return self._finish(req, "error")
         if d is not None and d.stopped is not None:
             req.stats["stop_sequence"] = d.stopped
@@ -584,7 +584,7 @@ class Generator(ProgramSet, Admission):
         self._check_length(len(prompt), options)
         n = options.n
         if constraints is None and options.grammar is not None:
-            constraints = [self.constraint(options.grammar) for _ in range(n)]
+            constraints = self.constraints(options.grammar, n)
         if constraints is not None and len(constraints) != n:
             raise ValueError(f"{len(constraints)} constraints for {n} choices")
         stop_ids = frozenset(options.stop_token_ids) | self.eos_token_ids
@@ -600,14 +600,14 @@ class Generator(ProgramSet, Admission):
         group[0].forks = group[1:]
         return group[0]
 
-    def constraint(self, grammar: OutputGrammar) -> Constraint:
-        """A fresh ``Constraint`` for one request's output (compiles ``grammar`` with this model's
-        vocabulary: the caller may want it off a latency-sensitive thread)."""
+    def constraints(self, grammar: OutputGrammar, n: int = 1) -> list[Constraint]:
+        """``n`` fresh ``Constraint``s for one request's choices (``compile_constraints``: ``grammar``
+        compiled once with this model's vocabulary and checked to start; ``GrammarRejected`` if not.
+        It may take a while: the caller may want it off a latency-sensitive thread)."""
         tok = self.model.tokenizer
         if tok is None:
             raise ValueError("an output grammar needs a tokenizer; this model has none")
-        return Constraint(llg_tokenizer(tok, self.vocab, self.eos_token_ids), grammar.grammar,
-                          wait=grammar.wait, rearm=grammar.rearm, reasoning=grammar.reasoning)
+        return compile_constraints(llg_tokenizer(tok, self.vocab, self.eos_token_ids), grammar, n)
 
     def thinking_budget(self, budget: int, opened: bool = False) -> ThinkingBudget:
         """A ``ThinkingBudget`` with this model's ``<think>`` / ``</think>`` token ids."""

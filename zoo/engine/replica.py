@@ -102,8 +102,8 @@ class Leader:
     faults = property(lambda self: self.gen.faults)
     prefix = property(lambda self: self.gen.prefix)
 
-    def constraint(self, grammar):
-        return self.gen.constraint(grammar)
+    def constraints(self, grammar, n: int = 1):
+        return self.gen.constraints(grammar, n)
 
     def warmup(self, progress=None):
         """``Generator.warmup`` (every follower runs its own, in the same order, before replaying)."""

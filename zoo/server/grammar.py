@@ -15,6 +15,12 @@ JSON is written as Python's ``json.dumps`` writes it (``", "`` and ``": "`` sepa
 whitespace): finite, and what models write themselves. Every builder raises ``GrammarError`` with
 the grammar compiler's message for a grammar it cannot compile (the server's 400).
 
+Sizes, checked before anything compiles (``check_size``; the server's 400): a grammar's text at most
+``MAX_GRAMMAR_BYTES``, a choice list at most ``MAX_CHOICES`` options. Measured with llguidance 1.9.1
+on a 2-core CPU, compiles near the cap take about a second; ten times over it (10,000 JSON
+properties, a 50,000-way Lark rule) took 10-60 s each and then failed on a limit. The server then
+compiles each request's grammar once, under ``zoo.engine.constraint.LIMITS``.
+
 Tool calls (``tool_call_grammar``) are written in a ``zoo.text.tool_calls.ToolCallFormat``: its
 call opening, each argument's framing and its closing (the format's attributes), so every format
 the parsers read has its grammar.
@@ -37,13 +43,27 @@ from zoo.text.tool_calls import ToolCallFormat, tool_call_format
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+MAX_GRAMMAR_BYTES = 128 * 1024     # a grammar's text (a schema's, a regex's, a Lark grammar's, tools')
+MAX_CHOICES = 1000                 # options of a choice constraint (llguidance: 2000 items per grammar row)
+
+
 class GrammarError(ValueError):
     """A grammar, schema or regex that does not compile; the message names the problem."""
 
 
+def check_size(grammar: str, what: str = "grammar") -> str:
+    """``grammar`` if its text is within ``MAX_GRAMMAR_BYTES``, else ``GrammarError``."""
+    size = len(grammar.encode())
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"{what}: the grammar is {size} bytes; at most {MAX_GRAMMAR_BYTES} (make the schema, "
+                           "regex or grammar smaller)")
+    return grammar
+
+
 def check(grammar: str, tokenizer: llguidance.LLTokenizer | None = None, what: str = "grammar") -> str:
     """``grammar`` if llguidance compiles it (with ``tokenizer``), else ``GrammarError``."""
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    from zoo.engine.constraint import LIMITS
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=LIMITS)
     if error and not error.startswith("WARNING"):
         raise GrammarError(f"{what}: {error.strip()}")
     return grammar
@@ -83,6 +103,8 @@ def lark(text: str) -> str:
 def choice(options: list) -> str:
     if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
         raise GrammarError("choice: expected a non-empty list of strings")
+    if len(options) > MAX_CHOICES:
+        raise GrammarError(f"choice: {len(options)} options; at most {MAX_CHOICES}")
     return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
 
 

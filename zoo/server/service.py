@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import dataclasses
 import logging
 import random
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
 import jinja2
-from starlette.concurrency import run_in_threadpool
 
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.logprobs import TokenLogprob
@@ -54,6 +54,14 @@ KEEP = frozenset(ReasoningParser.MARKERS).union(*(f.markers for f in FORMATS.val
 KEEPALIVE = object()
 log = logging.getLogger("zoo.serve")
 POLL_S = 1.0           # non-streaming requests: how often to check that the client is still there
+GRAMMAR_COMPILE_S = 10.0   # an output grammar that takes longer to compile is a 400
+GRAMMAR_THREADS = 2        # output grammars compile on these threads only
+_GRAMMAR_POOL = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="zoo-grammar")
+
+
+def _param(source: str) -> str | None:
+    """The request field a grammar's ``source`` names (None for a description)."""
+    return None if " " in source else source
 
 
 @dataclass
@@ -276,7 +284,7 @@ class Service:
     # -- prompts ----------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None, tool_choice: str = "auto",
                     tool_name: str | None = None, thinking: bool | None = None,
-                    template_kwargs: dict | None = None, prefill: str = "", output: str | None = None,
+                    template_kwargs: dict | None = None, prefill: str = "", output: OutputGrammar | None = None,
                     parallel_calls: bool = True, marks: Sequence[str] = (),
                     images: ImageParts | None = None) -> ChatPrompt:
         """Render ``messages`` (HF form) with the chat template.
@@ -332,15 +340,14 @@ class Service:
         grammar = None
         if forced:
             named = [t for t in tools if t.get("function", t).get("name") == tool_name] if tool_name else tools
-            grammar = OutputGrammar(tool_output(self.tool_format, named, prefix=forced, repeat=parallel_calls,
-                                                tokens=self._markers))
+            grammar = tool_output(self.tool_format, named, prefix=forced, repeat=parallel_calls, tokens=self._markers)
         elif output is not None:
-            grammar = OutputGrammar(output, wait=wait, reasoning=reasoning)
+            grammar = dataclasses.replace(output, wait=wait, reasoning=reasoning)
         elif use_tools and self.tool_format and strict_tools(tools):
             call_open = self.tool_format.call_open
             opening = tool_output(self.tool_format, tools, prefix=call_open, repeat=False, tokens=self._markers)
             trigger = tuple(self.tokenizer.encode(call_open))
-            grammar = OutputGrammar(opening, wait=wait + (trigger,), rearm=trigger)
+            grammar = dataclasses.replace(opening, wait=wait + (trigger,), rearm=trigger)
         parser, initial = new_parser()
         self.check_prompt_chars(text + close + prefill + forced)
         ids, ends = self.tokenizer.encode_with_ends(text + close + prefill + forced)
@@ -372,29 +379,61 @@ class Service:
         return (await self.start_choices(ids, options, **kwargs))[0]
 
     async def start_choices(self, ids: list[int], options: RequestOptions, *, images: Sequence = (),
-                            prompt_param: str = "prompt") -> list[Job]:
+                            prompt_param: str = "prompt", request=None) -> list[Job]:
+        """``submit_choices`` then ``admitted``: the request's jobs once they hold batch rows."""
+        jobs = await self.submit_choices(ids, options, images=images, prompt_param=prompt_param)
+        await self.admitted(jobs, request)
+        return jobs
+
+    async def submit_choices(self, ids: list[int], options: RequestOptions, *, images: Sequence = (),
+                             prompt_param: str = "prompt") -> list[Job]:
         """Submit a request (prompt ``ids``, ``options`` from ``request_options``, passed on
-        unchanged) and wait until it is admitted (429 / 503 from the queue; 400 for what the engine
-        refuses: its check of the options and of the prompt's ids, named ``prompt_param``, or a
-        request it can never fit). ``options.n`` choices: the prompt prefilled once, a job each;
-        ``options.grammar``: a matcher per choice, compiled here in a worker thread; ``images``: the
-        prompt's ``ImageInput``s (``ChatPrompt.images``), in prompt order."""
+        unchanged): 429 / 503 from the queue; 400 for what the engine refuses (its check of the options
+        and of the prompt's ids, named ``prompt_param``). ``options.n`` choices: the prompt prefilled
+        once, a job each; ``options.grammar``: a matcher per choice, compiled here in a worker thread;
+        ``images``: the prompt's ``ImageInput``s (``ChatPrompt.images``), in prompt order."""
         constraints = None
         if options.grammar is not None:
-            make = self.engine.generator.constraint
-            try:
-                constraints = await run_in_threadpool(lambda: [make(options.grammar) for _ in range(options.n)])
-            except ValueError as e:
-                raise ApiError(400, f"the output grammar does not compile: {e}") from None
+            constraints = await self.compile_grammar(options.grammar, options.n)
         try:
-            jobs = self.engine.submit_choices(ids, options, constraints=constraints, images=tuple(images))
+            return self.engine.submit_choices(ids, options, constraints=constraints, images=tuple(images))
         except TokenIdError as e:                # the prompt's ids, checked by the engine
             raise ApiError(400, e.named(prompt_param), param=prompt_param) from None
         except ValueError as e:                  # the engine's own checks of a request
             raise ApiError(400, str(e)) from None
+
+    async def compile_grammar(self, grammar: OutputGrammar, n: int) -> list:
+        """``n`` constraints of ``grammar`` (``Generator.constraints``: compiled once), compiled on
+        the server's grammar threads (``GRAMMAR_THREADS``, so hostile grammars cannot take the threads
+        that tokenize and render): 400 naming ``grammar.source`` if it is refused or takes longer than
+        ``GRAMMAR_COMPILE_S`` (a compile still queued then is dropped; one running ends on its own,
+        bounded by the grammar size cap and llguidance's limits)."""
+        make = self.engine.generator.constraints
+        future = _GRAMMAR_POOL.submit(make, grammar, n)
         try:
-            await asyncio.gather(*(job.admitted() for job in jobs))
+            return await asyncio.wait_for(asyncio.wrap_future(future), GRAMMAR_COMPILE_S)
+        except TimeoutError:
+            raise ApiError(400, f"{grammar.source}: the grammar took longer than {GRAMMAR_COMPILE_S:g} s to "
+                                "compile; simplify it", param=_param(grammar.source)) from None
+        except ValueError as e:
+            raise ApiError(400, f"{grammar.source}: {e}", param=_param(grammar.source)) from None
+        finally:
+            future.cancel()                      # a compile not started yet (the client left, a timeout)
+
+    async def admitted(self, jobs: list[Job], request=None) -> None:
+        """Wait until every job holds a batch row (or finished while waiting): 503 after the queue
+        timeout; 400 for a request the engine can never fit; 499 if ``request``'s client goes away
+        meanwhile (checked every ``POLL_S``). Any way out but success cancels every job, the waiting
+        ones included, so nothing runs for a request that was not answered."""
+        waiting = asyncio.gather(*(job.admitted() for job in jobs))
+        try:
+            while not (await asyncio.wait({waiting}, timeout=POLL_S))[0]:
+                if request is not None and await request.is_disconnected():
+                    raise ApiError(499, "the client closed the connection while the request waited",
+                                   code="client_closed")
+            waiting.result()
         except BaseException:
+            waiting.cancel()
             for job in jobs:
                 job.cancel()
             raise
@@ -407,7 +446,6 @@ class Service:
                 status = job.req.stats.get("error_status", 400)
                 prefix = "the request cannot be served" if status < 500 else "the engine failed on this request"
                 raise ApiError(status, f"{prefix}: {job.req.stats.get('error', 'engine error')}")
-        return jobs
 
     async def events(self, job: Job, parser: OutputParser, initial: list = (),
                      tick: float | None = None) -> AsyncIterator:
@@ -475,18 +513,27 @@ class Service:
         return dataclasses.replace(finish, reason="length" if job.finish_reason == "length" else "stop")
 
 
-async def collect_finished(events: AsyncIterator, request, job) -> tuple[list, Finish] | None:
+async def collect_finished(events: AsyncIterator, request, job,
+                           choice_errors: bool = False) -> tuple[list, Finish] | None:
     """A non-streaming request's events and its Finish, the job cancelled once collected; None if
-    the client went away. A generation error becomes a 500."""
+    the client went away. A generation error is an ``ApiError`` with its status, except, with
+    ``choice_errors``, a choice's own (a 4xx: its output grammar hit a limit), which is returned as
+    that choice's Finish (reason "error") while the other choices stand."""
     try:
         out, finish = await collect(events, request)
     finally:
         job.cancel()
     if finish is None:
         return None
-    if finish.reason == "error":
+    if finish.reason == "error" and not (choice_errors and choice_error(finish)):
         raise ApiError(finish.error_status, finish.error or "generation failed")
     return out, finish
+
+
+def choice_error(finish: Finish) -> bool:
+    """The error belongs to one choice (its output grammar hit a limit mid-output), not to the
+    request or the server: OpenAI's surfaces end that choice with finish_reason "error"."""
+    return finish.reason == "error" and finish.error_status < 500
 
 
 async def collect(events: AsyncIterator, request) -> tuple[list, Finish | None]:
@@ -552,8 +599,9 @@ async def merge_events(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int,
 
 
 async def collect_choices(streams: list[AsyncIterator], request, jobs: list) -> list[tuple[list, Finish]] | None:
-    """``collect_finished`` for each choice, concurrently; None if the client went away."""
-    results = await asyncio.gather(*(collect_finished(s, request, j) for s, j in zip(streams, jobs)))
+    """``collect_finished`` for each choice, concurrently (``choice_errors``: OpenAI's choices); None
+    if the client went away."""
+    results = await asyncio.gather(*(collect_finished(s, request, j, True) for s, j in zip(streams, jobs)))
     if any(r is None for r in results):
         for job in jobs:
             job.cancel()

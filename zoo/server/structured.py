@@ -12,13 +12,18 @@ Fields read (any API surface; at most one of them per request, else 400):
 
 Tool calls are constrained by ``tool_output`` when ``tool_choice`` forces a call (``required``, a
 named function) or, in ``auto`` mode, for each call the model opens if every tool is ``strict``.
-Each bad value is an ``ApiError`` 400 naming the field, with the grammar compiler's message.
+
+Each result is an ``OutputGrammar`` whose ``source`` names the field. Here a bad value, or a grammar
+over the size cap (``zoo.server.grammar.check_size``), is an ``ApiError`` 400 naming the field; the
+grammar compiles once, when the request is submitted (``Service.compile_grammar``), where what
+llguidance refuses is a 400 naming the same field.
 """
 
 from __future__ import annotations
 
 import json
 
+from zoo.engine.constraint import OutputGrammar
 from zoo.server import grammar as G
 from zoo.server.validation import ApiError
 from zoo.text.tool_calls import ToolCallFormat
@@ -27,8 +32,8 @@ EXTENSIONS = ("structured_outputs", "guided_json", "guided_regex", "guided_gramm
 _KINDS = {"json": "json", "regex": "regex", "grammar": "grammar", "choice": "choice", "json_object": "json_object"}
 
 
-def _build(kind: str, value, where: str, strict: bool = False) -> str:
-    """The grammar of one constraint field, checked by the grammar compiler (400 naming ``where``)."""
+def _build(kind: str, value, where: str, strict: bool = False) -> OutputGrammar:
+    """The grammar of one constraint field, its size checked (400 naming ``where``)."""
     try:
         if kind == "json":
             if isinstance(value, str):
@@ -45,12 +50,12 @@ def _build(kind: str, value, where: str, strict: bool = False) -> str:
             grammar = G.lark(value)
         else:
             grammar = G.choice(value)
-        return G.check(grammar)
+        return OutputGrammar(G.check_size(grammar), source=where)
     except G.GrammarError as e:
         raise ApiError(400, f"{where}: {e}", param=where) from None
 
 
-def response_format_grammar(fmt, where: str = "response_format") -> str | None:
+def response_format_grammar(fmt, where: str = "response_format") -> OutputGrammar | None:
     """The grammar of an OpenAI ``response_format`` (or Responses ``text.format``); None for text."""
     if fmt is None:
         return None
@@ -60,7 +65,7 @@ def response_format_grammar(fmt, where: str = "response_format") -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return G.json_object()
+        return _build("json_object", None, where)
     if kind == "json_schema":
         spec = fmt.get("json_schema", fmt)
         if not isinstance(spec, dict) or "schema" not in spec:
@@ -69,7 +74,7 @@ def response_format_grammar(fmt, where: str = "response_format") -> str | None:
     raise ApiError(400, f"{where}.type: expected text, json_object or json_schema, got {kind!r}", param=where)
 
 
-def extension_grammar(fields: dict) -> tuple[str, str] | None:
+def extension_grammar(fields: dict) -> tuple[str, OutputGrammar] | None:
     """(field name, grammar) from the extension fields present in ``fields``; None if none is."""
     found = []
     so = fields.get("structured_outputs")
@@ -92,7 +97,7 @@ def extension_grammar(fields: dict) -> tuple[str, str] | None:
     return where, _build(kind, value, where)
 
 
-def request_grammar(response_format, fields: dict, where: str = "response_format") -> str | None:
+def request_grammar(response_format, fields: dict, where: str = "response_format") -> OutputGrammar | None:
     """The output grammar a request asks for, from ``response_format`` or an extension field."""
     main = response_format_grammar(response_format, where)
     ext = extension_grammar(fields)
@@ -112,10 +117,11 @@ def marker_tokens(tokenizer, markers) -> dict[str, int]:
 
 
 def tool_output(fmt: ToolCallFormat | str, tools: list[dict], *, prefix: str = "", repeat: bool = True,
-                tokens: dict[str, int] | None = None) -> str:
+                tokens: dict[str, int] | None = None) -> OutputGrammar:
     """The grammar of the tool calls that follow ``prefix`` (``repeat``: more calls may follow the
     first; ``tokens``: ``marker_tokens``); 400 if a tool's schema does not compile."""
     try:
-        return G.tool_call_grammar(fmt, tools, prefix=prefix, repeat=repeat, tokens=tokens)
+        grammar = G.tool_call_grammar(fmt, tools, prefix=prefix, repeat=repeat, tokens=tokens)
+        return OutputGrammar(G.check_size(grammar, "tools"), source="tools")
     except G.GrammarError as e:
         raise ApiError(400, f"tools: {e}", param="tools") from None

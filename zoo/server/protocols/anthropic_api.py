@@ -73,7 +73,7 @@ async def messages(request: Request):
                                       temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                       stop=body.stop_sequences or (), thinking_opened=prompt.opens_reasoning,
                                       grammar=prompt.grammar, cache_marks=prompt.marks)
-    job = await service.start(prompt.ids, options, images=prompt.images)
+    job = await service.start(prompt.ids, options, images=prompt.images, request=request)
     events = service.events(job, prompt.parser, prompt.initial, tick=None if body.stream else POLL_S)
     clipped = body.max_tokens > service.context - len(prompt.ids)
     omit = thinking is not None and thinking.display == "omitted"

@@ -4,14 +4,18 @@ A thin adapter: it validates the request (400 in OpenAI's error schema), turns i
 and sampling parameters for ``Service``, and renders ``Service.events`` as one JSON response or
 as SSE chunks (``data: {...}``, ``: keep-alive`` comments when silent, ``data: [DONE]``).
 Reasoning comes back as ``reasoning_content``; tool calls as ``tool_calls`` (arguments streamed
-as deltas); ``stream_options.include_usage`` adds the final usage chunk.
+as deltas); ``stream_options.include_usage`` adds the final usage chunk. A choice whose output
+grammar hits a limit mid-output ends with ``finish_reason: "error"`` and ``error: {"message"}``
+(``service.choice_error``), streamed or not; the request's other choices go on. A client that leaves
+while its request waits for rows ends all its choices (499, ``Service.admitted``).
 
 Log-probabilities (``zoo.engine.logprobs``): chat ``logprobs: true`` (+ ``top_logprobs`` 0..20)
 gives ``choices[].logprobs.content`` for every generated token (reasoning included), streamed
 chunks carrying those of the tokens that arrived with them; completions ``logprobs: N`` (0..20)
 gives the legacy object, and with ``echo`` the prompt's tokens first (the first one's logprob
-None). Completions take a list of prompts (one choice each, not streamed) and ``max_tokens: 0``
-with ``echo`` (prompt logprobs only: lm-evaluation-harness's log-likelihood requests).
+None). Completions take a list of prompts (``n`` choices each; at most ``MAX_PROMPTS``, and
+prompts x n within the engine's queue; all queued at once) and ``max_tokens: 0`` with ``echo``
+(prompt logprobs only: lm-evaluation-harness's log-likelihood requests).
 
 Validation (``zoo.server.validation.Body``: strict types, unknown fields ignored): every numeric field
 is bounded (``max_tokens`` / ``max_completion_tokens`` 1..2**31-1, completions' ``max_tokens``
@@ -49,6 +53,7 @@ from zoo.server.service import (
     Finish,
     Logprobs,
     OutputParser,
+    choice_error,
     collect_choices,
     content_text,
     guarded,
@@ -74,6 +79,7 @@ from zoo.text.tool_calls import ToolCallArgs, ToolCallStart
 router = APIRouter()
 EFFORT_OFF = ("none", "minimal")       # reasoning_effort values that turn thinking off
 MAX_CHOICES = 16                       # n: at most this many choices (each takes a batch row)
+MAX_PROMPTS = 256                      # /v1/completions: prompts in one request (and prompts x n <= the queue)
 MAX_STOPS = 16                         # stop: at most this many sequences
 # sampling fields the engine does not implement: only their neutral value is accepted (else a 400)
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -128,7 +134,7 @@ class Sampling(_Body):
     guided_choice: list[str] | None = None
     prompt_cache_key: str | None = None            # accepted; the prefix cache is keyed by the prompt's tokens
 
-    def output_grammar(self) -> str | None:
+    def output_grammar(self) -> OutputGrammar | None:
         """The grammar the output must follow (400 for a bad or doubled constraint)."""
         return request_grammar(self.response_format, self.model_dump(include=set(EXTENSIONS)))
 
@@ -314,7 +320,7 @@ async def chat_completions(request: Request):
                                       temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                       stop=_stops(body.stop), thinking_opened=prompt.opens_reasoning,
                                       logprobs=logprobs, n=body.n, grammar=prompt.grammar)
-    jobs = await service.start_choices(prompt.ids, options, images=prompt.images)
+    jobs = await service.start_choices(prompt.ids, options, images=prompt.images, request=request)
     streams = [service.events(job, parser, initial, tick=None if body.stream else POLL_S)
                for job, (parser, initial) in zip(jobs, prompt.parsers(body.n))]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model or
@@ -350,7 +356,14 @@ def _chat_choice(index: int, out: list, finish: Finish, service, logprobs: int |
     if logprobs is not None:
         scored = {"content": service.logprob_renderer.chat([r for e in out if isinstance(e, Logprobs)
                                                             for r in e.records])}
-    return {"index": index, "message": message, "finish_reason": _finish_reason(finish), "logprobs": scored}
+    return {"index": index, "message": message, "finish_reason": _finish_reason(finish), "logprobs": scored,
+            **_choice_error(finish)}
+
+
+def _choice_error(finish: Finish) -> dict:
+    """A choice that ended in its own error (its output grammar hit a limit: ``choice_error``)
+    carries the message (a zoo extension beside finish_reason "error"); other choices nothing."""
+    return {"error": {"message": finish.error}} if finish.reason == "error" else {}
 
 
 def _usage_of(finishes: list[Finish], prompts: int = 1) -> dict:
@@ -372,13 +385,13 @@ async def _chat_chunks(streams, jobs, head: dict, include_usage: bool, render_lo
     pending: list[list] = [[] for _ in streams]
     finishes: list[Finish] = []
 
-    def chunk(i: int, delta: dict, finish_reason=None) -> ServerSentEvent:
+    def chunk(i: int, delta: dict, finish_reason=None, error: dict | None = None) -> ServerSentEvent:
         scored = None
         if render_logprobs is not None and pending[i]:
             scored = {"content": render_logprobs(pending[i])}
             pending[i].clear()
         data = {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish_reason,
-                                     "logprobs": scored}], **extra}
+                                     "logprobs": scored, **(error or {})}], **extra}
         return ServerSentEvent(json.dumps(data, ensure_ascii=False), sep="\n")
 
     try:
@@ -399,11 +412,11 @@ async def _chat_chunks(streams, jobs, head: dict, include_usage: bool, render_lo
             elif isinstance(e, ToolCallArgs):
                 yield chunk(i, {"tool_calls": [{"index": e.index, "function": {"arguments": e.delta}}]})
             elif isinstance(e, Finish):
-                if e.reason == "error":
+                if e.reason == "error" and not choice_error(e):
                     yield _error_event(e)
                     break
                 finishes.append(e)
-                yield chunk(i, {}, _finish_reason(e))
+                yield chunk(i, {}, _finish_reason(e), _choice_error(e))
         else:
             if include_usage:
                 yield ServerSentEvent(json.dumps({**base, "choices": [], "usage": _usage_of(finishes)}), sep="\n")
@@ -413,8 +426,10 @@ async def _chat_chunks(streams, jobs, head: dict, include_usage: bool, render_lo
             job.cancel()
 
 
-def _prompts(body: CompletionRequest) -> list[str | list[int]]:
-    """The request's prompts: one string or id list each (400 if there are none or one is empty)."""
+def _prompts(body: CompletionRequest, max_choices: int) -> list[str | list[int]]:
+    """The request's prompts: one string or id list each (400 if there are none, one is empty, there
+    are more than ``MAX_PROMPTS``, or their choices, prompts x n, are more than ``max_choices``: the
+    engine's queue, which they all enter at once)."""
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
@@ -422,6 +437,11 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
         prompts = list(prompt)
     if not prompts:
         raise ApiError(400, "prompt: empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts; at most {MAX_PROMPTS} in one request", param="prompt")
+    if len(prompts) * body.n > max_choices:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts x n={body.n} are {len(prompts) * body.n} choices; "
+                            f"this server queues at most {max_choices} at once", param="prompt")
     for i, p in enumerate(prompts):
         if not p:
             raise ApiError(400, f"prompt[{i}]: empty" if len(prompts) > 1 else "prompt: empty", param="prompt")
@@ -437,7 +457,7 @@ async def completions(request: Request):
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens: 0 only with echo (the prompt's logprobs)", param="max_tokens")
     output = await run_in_threadpool(body.output_grammar)       # a big schema's grammar: off the event loop
-    prompts = _prompts(body)
+    prompts = _prompts(body, service.engine.max_queue)
     if body.stream and body.echo:
         raise ApiError(400, "stream: echo needs a non-streaming request", param="echo")
     ids = []
@@ -456,18 +476,19 @@ async def completions(request: Request):
     elif body.max_tokens == 0:
         prompt_logprobs = 0                 # a prefill only; its logprobs go unreported
     jobs = []
-    try:
-        for p, name in zip(ids, names):     # choice index = prompt index * n + choice, as OpenAI's
+    try:                                    # every prompt queued at once; choice index = prompt index * n + choice
+        for p, name in zip(ids, names):
             options = service.request_options(p, max_tokens=body.max_tokens, seed=body.seed,
                                               temperature=body.temperature, top_p=body.top_p,
                                               top_k=max(body.top_k, 0), stop=_stops(body.stop),
                                               logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
-                                              grammar=None if output is None else OutputGrammar(output))
-            jobs += await service.start_choices(p, options, prompt_param=name)
+                                              grammar=output)
+            jobs += await service.submit_choices(p, options, prompt_param=name)
     except BaseException:
         for job in jobs:
             job.cancel()
         raise
+    await service.admitted(jobs, request)    # cancels them all on a way out (the client gone included)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or service.model_name}
     streams = [service.events(job, OutputParser(reasoning=False), tick=None if body.stream else POLL_S)
@@ -491,7 +512,8 @@ async def completions(request: Request):
         if body.logprobs is not None:
             recs = (job.req.prompt_token_logprobs or []) if body.echo else []
             scored = service.logprob_renderer.completion(recs + job.logprobs)
-        choices.append({"index": index, "text": echoed + text, "finish_reason": finish.reason, "logprobs": scored})
+        choices.append({"index": index, "text": echoed + text, "finish_reason": finish.reason, "logprobs": scored,
+                        **_choice_error(finish)})
     return {**head, "usage": _usage_of([f for _, f in results], len(prompts)), "choices": choices}
 
 
@@ -504,14 +526,14 @@ async def _completion_chunks(streams, jobs, head: dict, include_usage: bool, ren
     offset = [0] * len(streams)
     finishes: list[Finish] = []
 
-    def chunk(i: int, text: str, finish_reason=None) -> ServerSentEvent:
+    def chunk(i: int, text: str, finish_reason=None, error: dict | None = None) -> ServerSentEvent:
         scored = None
         if render_logprobs is not None and (pending[i] or finish_reason is None):
             scored = render_logprobs(pending[i], offset[i])
             offset[i] += sum(len(t) for t in scored["tokens"])
             pending[i].clear()
-        data = {**head, "choices": [{"index": i, "text": text, "finish_reason": finish_reason, "logprobs": scored}],
-                **extra}
+        data = {**head, "choices": [{"index": i, "text": text, "finish_reason": finish_reason, "logprobs": scored,
+                                     **(error or {})}], **extra}
         return ServerSentEvent(json.dumps(data, ensure_ascii=False), sep="\n")
 
     try:
@@ -523,11 +545,11 @@ async def _completion_chunks(streams, jobs, head: dict, include_usage: bool, ren
             elif isinstance(e, Text):
                 yield chunk(i, e.text)
             elif isinstance(e, Finish):
-                if e.reason == "error":
+                if e.reason == "error" and not choice_error(e):
                     yield _error_event(e)
                     break
                 finishes.append((i, e))
-                yield chunk(i, "", e.reason)
+                yield chunk(i, "", e.reason, _choice_error(e))
         else:
             if include_usage:
                 ordered = [f for _, f in sorted(finishes, key=lambda x: x[0])]

@@ -310,7 +310,7 @@ async def create_response(request: Request):
     options = service.request_options(prompt.ids, max_tokens=body.max_output_tokens, temperature=body.temperature,
                                       top_p=body.top_p, thinking_opened=prompt.opens_reasoning, logprobs=logprobs,
                                       grammar=prompt.grammar)
-    job = await service.start(prompt.ids, options, images=prompt.images)
+    job = await service.start(prompt.ids, options, images=prompt.images, request=request)
     events = service.events(job, prompt.parser, prompt.initial, tick=None if body.stream else POLL_S)
     builder = OutputBuilder(_response_object(body, service.model_name), summary=body.summary, namespaces=namespaces,
                             parallel_calls=body.parallel_tool_calls, count_tokens=service.tokenizer.encode,
