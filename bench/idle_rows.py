@@ -5,7 +5,7 @@
 
 An engine (``Generator``, 2 rows, warmed up: nothing compiles while measuring; a new one for each
 run, so no run starts with an earlier run's idle row) with a window of ``--prompt-tokens`` + 1024
-slots, driven by its own thread as the server drives it. A stream decodes;
+slots rounded up to whole 512-slot key blocks, driven by its own thread as the server drives it. A stream decodes;
 after its 16th token a request with a long prompt and one new token arrives in another row, is
 prefilled (interleaved) and finishes; its row is then idle, its write index at the end of the long
 prompt. The stream's median gap between tokens:
@@ -66,8 +66,8 @@ def main() -> None:
     vocab = int(model.config.vocab_size)
     runs = []
     for i in range(args.repeat):
-        gen = Generator(model, max_batch=2, context=args.prompt_tokens + 1024, prefill_chunk=args.chunk,
-                        prefix_cache=0)
+        context = -(-(args.prompt_tokens + 1024) // 512) * 512      # whole key blocks (filled_blocks.key_block)
+        gen = Generator(model, max_batch=2, context=context, prefill_chunk=args.chunk, prefix_cache=0)
         gen.eos_token_ids = frozenset()         # every stream runs its full length
         t0 = time.perf_counter()
         gen.warmup()

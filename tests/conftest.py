@@ -24,17 +24,22 @@ def audit_files(tmp_path_factory):
 # The heaviest files first: with ``--dist loadfile`` each xdist worker takes the next file when it
 # finishes one, so long files started early keep both workers busy to the end, while the short ones
 # fill in last (in collection order, the sharding files came near the end and one worker finished
-# minutes before the other). Seconds per file on 2 cores in a whole run, measured 2026-12-04.
+# minutes before the other). Seconds per file on 2 cores in a whole run, measured 2026-12-04. The
+# other multi-process file comes after them, when test_multihost is long done: two multi-process
+# jobs at once (4 JAX processes and their gloo collectives on 2 cores) took 2-3x as long as either
+# alone.
 HEAVY_FIRST = [
-    "tests/sharding/test_multihost.py",              # ~480
-    "tests/sharding/test_sharding.py",               # ~400
-    "tests/engine/test_images_compile_once.py",      # ~250
-    "tests/examples/test_serving_notebooks.py",      # ~240
-    "tests/tools/test_compile_report.py",            # ~220
-    "tests/sharding/test_multihost_serve.py",        # ~200
-    "tests/engine/test_speculative.py",              # ~170
-    "tests/engine/test_prefix_cache.py",             # ~140
-    "tests/engine/test_interleave.py",               # ~135
+    "tests/sharding/test_multihost.py",              # ~530 (~400 after this change)
+    "tests/sharding/test_sharding.py",               # ~270
+    "tests/examples/test_serving_notebooks.py",      # ~245
+    "tests/engine/test_speculative.py",              # ~200
+    "tests/tools/test_compile_report.py",            # ~195
+    "tests/engine/test_prefix_cache.py",             # ~185
+    "tests/train/test_training.py",                  # ~160
+    "tests/weight_cache/test_build.py",              # ~130
+    "tests/engine/test_images_compile_once.py",      # ~120
+    "tests/engine/test_interleave.py",               # ~120
+    "tests/sharding/test_multihost_serve.py",        # ~110 alone, ~300 beside test_multihost
 ]
 
 

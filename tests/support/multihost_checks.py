@@ -35,10 +35,12 @@ def count_reads() -> list[int]:
     return reads
 
 
-def forward(paths: dict, layouts: dict[str, list[str]], new_tokens: int = 4) -> tuple[dict, dict]:
+def forward(paths: dict, layouts: dict[str, list[str]], new_tokens: int = 4,
+            decoding: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Each model (``paths``: name -> checkpoint) in its layouts: float32 logits and MTP logits of fixed
     prompts, the bytes this process read from the checkpoint, its host memory around the load, and
-    the bytes of the parameters' shards on its devices; greedy and speculative tokens."""
+    the bytes of the parameters' shards on its devices; greedy and speculative tokens (``decoding``:
+    name -> "greedy" or "spec" for one of them only)."""
     import jax
 
     import zoo
@@ -60,9 +62,13 @@ def forward(paths: dict, layouts: dict[str, list[str]], new_tokens: int = 4) -> 
             arrays[f"{key}/logits"] = model.logits(ids)
             arrays[f"{key}/mtp"] = model.mtp_logits(ids)
             prompts = ids.tolist()
-            arrays[f"{key}/greedy"] = np.asarray([g.tokens for g in model.generate(prompts, max_new_tokens=new_tokens)])
-            arrays[f"{key}/spec"] = np.asarray([g.tokens for g in model.generate(prompts, max_new_tokens=new_tokens,
-                                                                                   spec_tokens=2)])
+            which = (decoding or {}).get(name)
+            if which in (None, "greedy"):
+                arrays[f"{key}/greedy"] = np.asarray([g.tokens for g in model.generate(prompts,
+                                                                                       max_new_tokens=new_tokens)])
+            if which in (None, "spec"):
+                arrays[f"{key}/spec"] = np.asarray([g.tokens for g in model.generate(prompts, max_new_tokens=new_tokens,
+                                                                                       spec_tokens=2)])
             local = sum(s.data.nbytes for leaf in jax.tree.leaves(model.module) if hasattr(leaf, "addressable_shards")
                         for s in leaf.addressable_shards)
             out[key] = {"read_bytes": sum(reads), "load_s": load_s,
