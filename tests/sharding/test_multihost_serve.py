@@ -41,6 +41,7 @@ ARGS = ["serve", "--port", "0", "--log-level", "warning", "--follower-timeout", 
         "--max-batch", "4", "--prefill-chunk", "64"]
 LAZY = ["--no-warmup"]
 EXACT = ["--dtype", "float32", "--spec", "2", "--prefix-cache-gb", "0.0001", "--prefix-cache-host-gb", "1"]
+TWO = ("--model", "qwen38-tiny", "--mesh", "tp", *EXACT)      # the two-process servers (the same programs)
 TOOLS = [corpus.TOOLS[n] for n in ("get_weather", "add")]     # the demo model's own tools
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
           "additionalProperties": False}
@@ -109,9 +110,8 @@ def test_a_conversation_through_process_0_equals_one_process(tmp_path):
     answers do not depend on the reduction order: 1 x 8 devices gave the same as 1 x 1."""
     with zoo_serve(tmp_path / "one", 1, 1, ("--model", "qwen38-tiny", *EXACT, *LAZY)) as (procs, url):
         want = conversation(url)
-    args = ("--model", "qwen38-tiny", "--mesh", "tp", *EXACT)
     assert wait_all(procs, 1) == [0]
-    with zoo_serve(tmp_path / "two", 2, DEVICES, args) as (procs, url):
+    with zoo_serve(tmp_path / "two", 2, DEVICES, TWO) as (procs, url):
         got = conversation(url)
         procs[0].send_signal(signal.SIGTERM)             # the drain, then the followers are told to stop
         codes = wait_all(procs, 60)
@@ -127,8 +127,9 @@ def test_a_conversation_through_process_0_equals_one_process(tmp_path):
 @pytest.mark.parametrize("how", ["killed", "stopped"])
 def test_a_follower_lost_mid_stream_ends_it_with_an_error_and_process_0_exits_3(tmp_path, how):
     """A follower killed (dies) or stopped (SIGSTOP: hangs) while a stream runs: the stream ends with
-    an error naming it, process 0 exits with status 3 within --follower-timeout (5 s) and a grace."""
-    with zoo_serve(tmp_path, 2, DEVICES, ("--mesh", "tp", *LAZY)) as (procs, url):
+    an error naming it, process 0 exits with status 3 within --follower-timeout (5 s) and a grace.
+    The conversation's settings, compiling lazily: its warmed programs come from the compile cache."""
+    with zoo_serve(tmp_path, 2, DEVICES, (*TWO, *LAZY)) as (procs, url):
         oa = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=600)
         chunks, error = 0, None
         try:
