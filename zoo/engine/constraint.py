@@ -88,7 +88,7 @@ class OutputGrammar:
     wait: tuple[tuple[int, ...], ...] = ()
     rearm: tuple[int, ...] | None = None
     reasoning: tuple[int, tuple[int, ...]] | None = None    # (opening token, close sequence)
-    source: str = "the output grammar"                        # the request field it came from (errors name it)
+    source: str | None = None                                 # the request field it came from (errors name it)
 
 
 class Constraint:
@@ -138,11 +138,11 @@ class Constraint:
         if self.matcher.is_error():
             error = _clean(self.matcher.get_error())
             return "no token can start or continue the output" if error == "NoExtensionBias" else error
-        words = np.flatnonzero(row)
-        if len(words) <= len(self.eos) and not self.matcher.is_accepting():
-            bits = np.flatnonzero(np.unpackbits(row[words].view(np.uint8), bitorder="little").reshape(len(words), 32))
-            if set((words[bits // 32] * 32 + bits % 32).tolist()) <= self.eos:
-                return "no token can continue the output (a limit of the grammar engine was hit)"
+        if np.count_nonzero(row) > len(self.eos) or self.matcher.is_accepting():      # the usual case: cheap
+            return None
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        if set(allowed.tolist()) <= self.eos:
+            return "no token can continue the output (a limit of the grammar engine was hit)"
         return None
 
     # -- the gate ---------------------------------------------------------------------------------
@@ -229,5 +229,7 @@ def compile_constraints(tokenizer: llguidance.LLTokenizer, grammar: OutputGramma
     """``n`` fresh constraints of ``grammar``: compiled once under ``LIMITS`` and checked to start
     (``Constraint.check_start``), then copied; ``GrammarRejected`` naming what is wrong."""
     first = Constraint(tokenizer, grammar.grammar, wait=grammar.wait, rearm=grammar.rearm, reasoning=grammar.reasoning)
+    # on a copy: a mask computed on the matcher itself changes how a later failure shows (at a consume
+    # instead of at the next mask; seen with a regex bomb)
     first.copy().check_start()
     return [first] + [first.copy() for _ in range(n - 1)]

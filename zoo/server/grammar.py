@@ -38,6 +38,7 @@ import json
 
 import llguidance
 
+from zoo.engine.constraint import LIMITS
 from zoo.text.tool_calls import ToolCallFormat, tool_call_format
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -62,7 +63,6 @@ def check_size(grammar: str, what: str = "grammar") -> str:
 
 def check(grammar: str, tokenizer: llguidance.LLTokenizer | None = None, what: str = "grammar") -> str:
     """``grammar`` if llguidance compiles it (with ``tokenizer``), else ``GrammarError``."""
-    from zoo.engine.constraint import LIMITS
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=LIMITS)
     if error and not error.startswith("WARNING"):
         raise GrammarError(f"{what}: {error.strip()}")

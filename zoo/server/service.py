@@ -59,10 +59,6 @@ GRAMMAR_THREADS = 2        # output grammars compile on these threads only
 _GRAMMAR_POOL = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="zoo-grammar")
 
 
-def _param(source: str) -> str | None:
-    """The request field a grammar's ``source`` names (None for a description)."""
-    return None if " " in source else source
-
 
 @dataclass
 class Finish:
@@ -78,6 +74,7 @@ class Finish:
     tool_calls: bool = False
     error: str | None = None
     error_status: int = 500            # the HTTP status of ``error`` (503: the server is shutting down)
+    grammar_error: bool = False        # ``error`` is the choice's output grammar's (``choice_error``)
 
 
 @dataclass
@@ -408,15 +405,15 @@ class Service:
         that tokenize and render): 400 naming ``grammar.source`` if it is refused or takes longer than
         ``GRAMMAR_COMPILE_S`` (a compile still queued then is dropped; one running ends on its own,
         bounded by the grammar size cap and llguidance's limits)."""
-        make = self.engine.generator.constraints
-        future = _GRAMMAR_POOL.submit(make, grammar, n)
+        future = _GRAMMAR_POOL.submit(self.engine.generator.constraints, grammar, n)
+        where = grammar.source or "the output grammar"
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), GRAMMAR_COMPILE_S)
         except TimeoutError:
-            raise ApiError(400, f"{grammar.source}: the grammar took longer than {GRAMMAR_COMPILE_S:g} s to "
-                                "compile; simplify it", param=_param(grammar.source)) from None
+            raise ApiError(400, f"{where}: the grammar took longer than {GRAMMAR_COMPILE_S:g} s to compile; "
+                                "simplify it", param=grammar.source) from None
         except ValueError as e:
-            raise ApiError(400, f"{grammar.source}: {e}", param=_param(grammar.source)) from None
+            raise ApiError(400, f"{where}: {e}", param=grammar.source) from None
         finally:
             future.cancel()                      # a compile not started yet (the client left, a timeout)
 
@@ -509,7 +506,8 @@ class Service:
             return dataclasses.replace(finish, reason="error", error=job.error, error_status=job.error_status)
         if job.finish_reason == "error":
             return dataclasses.replace(finish, reason="error", error=req.stats.get("error"),
-                                       error_status=req.stats.get("error_status", 500))
+                                       error_status=req.stats.get("error_status", 500),
+                                       grammar_error=req.constraint is not None and req.constraint.error is not None)
         return dataclasses.replace(finish, reason="length" if job.finish_reason == "length" else "stop")
 
 
@@ -517,8 +515,8 @@ async def collect_finished(events: AsyncIterator, request, job,
                            choice_errors: bool = False) -> tuple[list, Finish] | None:
     """A non-streaming request's events and its Finish, the job cancelled once collected; None if
     the client went away. A generation error is an ``ApiError`` with its status, except, with
-    ``choice_errors``, a choice's own (a 4xx: its output grammar hit a limit), which is returned as
-    that choice's Finish (reason "error") while the other choices stand."""
+    ``choice_errors``, a choice's own (``choice_error``: its output grammar hit a limit), which is
+    returned as that choice's Finish (reason "error") while the other choices stand."""
     try:
         out, finish = await collect(events, request)
     finally:
@@ -533,7 +531,7 @@ async def collect_finished(events: AsyncIterator, request, job,
 def choice_error(finish: Finish) -> bool:
     """The error belongs to one choice (its output grammar hit a limit mid-output), not to the
     request or the server: OpenAI's surfaces end that choice with finish_reason "error"."""
-    return finish.reason == "error" and finish.error_status < 500
+    return finish.reason == "error" and finish.grammar_error
 
 
 async def collect(events: AsyncIterator, request) -> tuple[list, Finish | None]:
