@@ -23,32 +23,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 
 import zoo
+from bench.engine_loop import arrival_clock, engine_running
 from zoo.engine.generator import Generator
 
 
 def run(gen: Generator, stream_tokens: int, long_prompt: list[int], seed: int) -> tuple[float, float]:
     """(the stream's median gap before the long request, after it finished)."""
     times: list[float] = []
-    stream = gen.make_request([11 + seed, 22, 33, 44], max_new_tokens=stream_tokens,
-                              on_tokens=lambda r, toks: times.extend([time.perf_counter()] * len(toks)))
-    stop = threading.Event()
-    thread = threading.Thread(target=gen.run_forever, args=(stop, 0.001), daemon=True)
-    thread.start()
-    gen.submit(stream)
-    while len(times) < 16:
-        time.sleep(0.001)
-    arrived = len(times)
-    long = gen.make_request(long_prompt, max_new_tokens=1)
-    gen.submit(long)
-    long.done.wait()
-    ended = len(times) + 1                   # the step that finished it may still be in the list
-    stream.done.wait()
-    stop.set()
-    thread.join()
+    stream = gen.make_request([11 + seed, 22, 33, 44], max_new_tokens=stream_tokens, on_tokens=arrival_clock(times))
+    with engine_running(gen):
+        gen.submit(stream)
+        while len(times) < 16:
+            time.sleep(0.001)
+        arrived = len(times)
+        long = gen.make_request(long_prompt, max_new_tokens=1)
+        gen.submit(long)
+        long.done.wait()
+        ended = len(times) + 1               # the step that finished it may still be in the list
+        stream.done.wait()
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert ended + 16 < len(times), "the stream ended too soon after the long request: raise --stream-tokens"
     return statistics.median(gaps[1:arrived - 1]), statistics.median(gaps[ended:])

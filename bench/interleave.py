@@ -27,6 +27,7 @@ import threading
 import time
 
 import zoo
+from bench.engine_loop import arrival_clock, engine_running
 from zoo.engine.generator import Generator
 
 
@@ -34,25 +35,20 @@ def run(gen: Generator, stream_tokens: int, long_prompt: list[int] | None, seed:
     """(the stream's largest inter-token gap, the long prompt's seconds to its first token)."""
     times: list[float] = []
     first = threading.Event()
-    stream = gen.make_request([11 + seed, 22, 33, 44], max_new_tokens=stream_tokens,
-                              on_tokens=lambda r, toks: times.extend([time.perf_counter()] * len(toks)))
-    stop = threading.Event()
-    thread = threading.Thread(target=gen.run_forever, args=(stop, 0.001), daemon=True)
-    thread.start()
-    gen.submit(stream)
+    stream = gen.make_request([11 + seed, 22, 33, 44], max_new_tokens=stream_tokens, on_tokens=arrival_clock(times))
     ttft = None
-    if long_prompt is not None:
-        while len(times) < 8:
-            time.sleep(0.001)
-        t0 = time.perf_counter()
-        long = gen.make_request(long_prompt, max_new_tokens=1,
-                                on_tokens=lambda r, toks: first.set())
-        gen.submit(long)
-        first.wait()
-        ttft = time.perf_counter() - t0
-    stream.done.wait()
-    stop.set()
-    thread.join()
+    with engine_running(gen):
+        gen.submit(stream)
+        if long_prompt is not None:
+            while len(times) < 8:
+                time.sleep(0.001)
+            t0 = time.perf_counter()
+            long = gen.make_request(long_prompt, max_new_tokens=1,
+                                    on_tokens=lambda r, toks: first.set())
+            gen.submit(long)
+            first.wait()
+            ttft = time.perf_counter() - t0
+        stream.done.wait()
     gaps = [b - a for a, b in zip(times[1:], times[2:])]     # from the 2nd token: the first waits for its prefill
     return max(gaps), ttft
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 
 import zoo
+from bench.engine_loop import arrival_clock, engine_running
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
 from zoo.server import grammar as G
@@ -33,23 +33,16 @@ from zoo.server import grammar as G
 
 def stream_gap(gen: Generator, tokens: int, neighbour: OutputGrammar | None, seed: int) -> float:
     times: list[float] = []
-    stop = threading.Event()
     other = None
-    if neighbour is not None:
-        other = gen.make_request([7, 8, 9], max_new_tokens=4 * tokens, constraints=gen.constraints(neighbour, 1),
-                                 grammar=neighbour)
-        gen.submit(other)
-    stream = gen.make_request([11 + seed, 22, 33, 44], max_new_tokens=tokens,
-                              on_tokens=lambda r, toks: times.extend([time.perf_counter()] * len(toks)))
-    thread = threading.Thread(target=gen.run_forever, args=(stop, 0.001), daemon=True)
-    thread.start()
-    gen.submit(stream)
-    stream.done.wait()
-    if other is not None:
-        gen.cancel(other)
-        other.done.wait()
-    stop.set()
-    thread.join()
+    if neighbour is not None:                # its grammar compiled here, before the stream starts
+        other = gen.submit(gen.make_request([7, 8, 9], max_new_tokens=4 * tokens, grammar=neighbour))
+    stream = gen.make_request([11 + seed, 22, 33, 44], max_new_tokens=tokens, on_tokens=arrival_clock(times))
+    with engine_running(gen):
+        gen.submit(stream)
+        stream.done.wait()
+        if other is not None:
+            gen.cancel(other)
+            other.done.wait()
     return statistics.median(b - a for a, b in zip(times[1:], times[2:]))
 
 
