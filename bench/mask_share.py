@@ -1,22 +1,27 @@
-"""What one constrained row with a heavy grammar costs the unconstrained rows beside it.
+"""What one constrained row with a heavy or slow grammar costs the unconstrained rows beside it.
 
     PYTHONPATH=. .venv/bin/python bench/mask_share.py [--model qwen38-tiny] [--tokens 96] [--properties 3500]
 
 One engine (``Generator``, 2 rows, warmed up), driven by its own thread as the server drives it. An
-unconstrained stream decodes ``--tokens`` tokens, three ways:
+unconstrained stream decodes ``--tokens`` tokens, beside:
 
-    alone        by itself                                                         -> G0
-    light        beside a row under a small JSON schema (one string property)      -> G1
-    heavy        beside a row under a schema of ``--properties`` required integer
+    alone        nothing                                                            -> G0
+    light        a row under a small JSON schema (one string property)              -> G1
+    heavy        a row under a schema of ``--properties`` required integer
                  properties (the size the server's 128 KiB cap on grammar text
                  still admits), compiled before the stream starts                  -> G2
+    slow, wait   a row under an ambiguous Lark grammar whose masks grow with its
+                 output (Earley items: ~1 ms at 30 tokens, ~10 ms at 200; within
+                 llguidance's per-mask limits), every step waiting for its mask    -> G3
+    slow         the same with the engine's rule (``zoo.engine.mask_schedule``):
+                 a step waits for a late mask at most a share of a step's time,
+                 then the row sits the step out                                    -> G4
 
-Printed: the stream's median gap between tokens in each case, and G1 / G0, G2 / G0. A batch with a
-constrained row runs the split step (the host fills the masks while the device runs the forward),
-so some ratio above 1 is the split itself; llguidance's per-mask limits
-(``zoo.engine.constraint.LIMITS``) bound what a grammar adds on top. Each figure is the median of
-``--repeat`` runs.
+Printed: the stream's median gap between tokens in each case, the ratios to G0, and for the slow
+cases the tokens the slow row produced meanwhile and the steps it sat out. Each figure is the
+median of ``--repeat`` runs.
 """
+
 
 from __future__ import annotations
 
@@ -28,10 +33,12 @@ import zoo
 from bench.engine_loop import arrival_clock, engine_running
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
+from zoo.engine.mask_schedule import MASK_SHARE
 from zoo.server import grammar as G
 
 
-def stream_gap(gen: Generator, tokens: int, neighbour: OutputGrammar | None, seed: int) -> float:
+def stream_gap(gen: Generator, tokens: int, neighbour: OutputGrammar | None, seed: int) -> tuple[float, int, int]:
+    """The stream's median gap, and the neighbour's tokens and steps sat out meanwhile."""
     times: list[float] = []
     other = None
     if neighbour is not None:                # its grammar compiled here, before the stream starts
@@ -40,10 +47,11 @@ def stream_gap(gen: Generator, tokens: int, neighbour: OutputGrammar | None, see
     with engine_running(gen):
         gen.submit(stream)
         stream.done.wait()
+        made, waits = (0, 0) if other is None else (len(other.tokens), other.stats.get("mask_waits", 0))
         if other is not None:
             gen.cancel(other)
             other.done.wait()
-    return statistics.median(b - a for a, b in zip(times[1:], times[2:]))
+    return statistics.median(b - a for a, b in zip(times[1:], times[2:])), made, waits
 
 
 def main() -> None:
@@ -63,14 +71,22 @@ def main() -> None:
     light = G.json_schema({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
     print(f"{args.model}: heavy grammar {len(G.check_size(heavy).encode()) / 1024:.0f} KiB of text, "
           f"{args.properties} properties")
+    slow = G.lark('start: x "!"\nx: x x | x x x | "a" | "aa"')
+    cases = (("alone", None, MASK_SHARE), ("light", OutputGrammar(light), MASK_SHARE),
+             ("heavy", OutputGrammar(heavy), MASK_SHARE), ("slow, wait", OutputGrammar(slow), None),
+             ("slow", OutputGrammar(slow), MASK_SHARE))
     results = {}
-    for name, grammar in (("alone", None), ("light", OutputGrammar(light)), ("heavy", OutputGrammar(heavy))):
+    for name, grammar, share in cases:
+        gen.mask_schedule.share = share
         t0 = time.perf_counter()
-        results[name] = statistics.median(stream_gap(gen, args.tokens, grammar, i) for i in range(args.repeat))
-        print(f"  {name:6s} median gap {results[name] * 1e3:7.2f} ms   ({time.perf_counter() - t0:.1f} s)")
-    print(f"  ratio light / alone  {results['light'] / results['alone']:6.2f}")
-    print(f"  ratio heavy / alone  {results['heavy'] / results['alone']:6.2f}")
-
+        runs = sorted(stream_gap(gen, args.tokens, grammar, i) for i in range(args.repeat))
+        results[name] = runs[len(runs) // 2][0]
+        made, waits = runs[len(runs) // 2][1:]
+        extra = f"   the constrained row: {made} tokens, {waits} steps sat out" if grammar is not None else ""
+        print(f"  {name:10s} median gap {results[name] * 1e3:7.2f} ms   ({time.perf_counter() - t0:.1f} s){extra}")
+    for name in results:
+        if name != "alone":
+            print(f"  ratio {name + ' / alone':18s} {results[name] / results['alone']:6.2f}")
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,9 @@ decoding under them (plain and MTP-speculative) on the embedded random tiny mode
 from __future__ import annotations
 
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jax.numpy as jnp
@@ -262,3 +265,64 @@ def test_forks_prefill_once_and_follow_their_seed_streams(model):
         alone = gen.generate([PROMPT], max_new_tokens=10, temperature=1.0, seed=fork_seed(11, i))[0]
         assert o.tokens == alone.tokens
     assert len({tuple(o.tokens) for o in forked}) == 3
+
+
+def test_a_prefetched_mask_is_the_one_computed_in_place_and_a_deadline_stops_the_drafts(model, vocab):
+    v = model.config.vocab_size
+    seq = walk(Constraint(vocab, G.json_schema(SCHEMA, strict=True)), v, np.random.default_rng(2))
+    pool = ThreadPoolExecutor(2)
+    ahead, here = (Constraint(vocab, G.json_schema(SCHEMA, strict=True)) for _ in range(2))
+    for c in (ahead, here):
+        c.advance(seq[:4])
+    ahead.prefetch(pool)
+    assert ahead.pending is not None
+    got, want = np.zeros((4, ahead.words), np.int32), np.zeros((4, here.words), np.int32)
+    assert ahead.fill(got, seq[4:7]) == 4 and here.fill(want, seq[4:7]) == 4
+    np.testing.assert_array_equal(got, want)
+    assert ahead.pending is None
+    ahead.prefetch(pool)
+    assert ahead.advance(seq[4:6]) == 2 and ahead.pending is None     # tokens taken: the mask ahead is dropped
+    past = np.zeros((4, ahead.words), np.int32)
+    assert ahead.fill(past, seq[6:9], deadline=time.perf_counter()) == 1  # only the first position in time
+    assert (past[1:] == -1).all() and ahead.advance(seq[6:7]) == 1       # nothing was consumed for good
+
+
+def test_a_row_whose_mask_is_late_sits_out_and_the_others_go_on(model):
+    """The masks' pool is held busy: the constrained row's next mask cannot be ready, so it sits
+    every step out (no wait: share 0) while the free row decodes to its end; released, the row
+    finishes with the output it has alone."""
+    g = OutputGrammar(G.json_schema(SCHEMA, strict=True))
+    alone = Generator(model, max_batch=4).generate([PROMPT], max_new_tokens=120, grammar=g)[0]
+    gen = Generator(model, max_batch=4)
+    gen.mask_schedule.share = 0.0
+    gate = threading.Event()
+    release = threading.Timer(120, gate.set)          # an engine that waited for the mask fails, not hangs
+    release.start()
+    pool = gen.mask_schedule.pool
+    for _ in range(pool._max_workers):
+        pool.submit(gate.wait)
+    held = gen.submit(gen.make_request(PROMPT, max_new_tokens=120, grammar=g))
+    free = gen.submit(gen.make_request(PROMPT[:3], max_new_tokens=24))
+    while not free.done.is_set():
+        gen.step()
+    assert not gate.is_set(), "the free row waited for the held row's mask"
+    release.cancel()
+    assert len(free.tokens) == 24 and free.finish_reason == "length"
+    assert len(held.tokens) == 1 and held.stats["mask_waits"] >= free.stats["steps"] > 0
+    gate.set()
+    while not held.done.is_set():
+        gen.step()
+    assert held.tokens == alone.tokens and held.finish_reason == "stop"
+    assert gen.mask_schedule.waits == held.stats["mask_waits"]
+
+
+def test_draft_masks_past_the_budget_cap_the_row_and_the_output_stands(model):
+    """MTP with no time for masks (share 0): each verify position after the first is past the
+    deadline, so a constrained row takes one token per step; the output is plain greedy's."""
+    g = OutputGrammar(G.json_schema(SCHEMA, strict=True))
+    plain = Generator(model, max_batch=4).generate([PROMPT], max_new_tokens=120, grammar=g)[0]
+    gen = Generator(model, spec_tokens=2, max_batch=4)
+    gen.mask_schedule.share = 0.0
+    out = gen.generate([PROMPT], max_new_tokens=120, grammar=g)[0]
+    assert out.tokens == plain.tokens
+    assert out.stats["accepted"] == 0 and out.stats["steps"] == len(out.tokens) - 1

@@ -87,6 +87,24 @@ def test_streamed_usage_and_responses_report_cached_tokens(cached):
     assert 0 < second.usage.input_tokens_details.cached_tokens < second.usage.input_tokens
 
 
+def test_a_responses_chain_reads_each_earlier_turn_from_the_cache(cached, uncached):
+    """Ten turns by ``previous_response_id``: each prompt reads at least the previous turn's prompt
+    back from the cache, and the answers are the uncached server's."""
+    answers, usages = {}, []
+    for server in (cached, uncached):
+        prev, answers[server] = None, []
+        for i in range(10):
+            r = oai(server).responses.create(model="tiny", input=f"step {i}: go on", previous_response_id=prev,
+                                             instructions="Chain. " + SYSTEM, max_output_tokens=6, temperature=0)
+            prev = r.id
+            answers[server].append(r.output_text)
+            if server is cached:
+                usages.append(r.usage)
+    assert answers[cached] == answers[uncached]
+    for before, now in zip(usages, usages[1:]):
+        assert before.input_tokens <= now.input_tokens_details.cached_tokens < now.input_tokens, (before, now)
+
+
 def test_anthropic_cache_control_marks_creation_and_reads(cached):
     client = anthropic.Anthropic(base_url=cached.url, api_key=KEY, max_retries=0)
     system = [{"type": "text", "text": "Anthropic. " + SYSTEM, "cache_control": {"type": "ephemeral"}}]

@@ -23,15 +23,20 @@ limit on its first step is refused (``GrammarRejected``) before the request take
 hit later, in the middle of an output, ends that choice with ``error`` set (the server answers it
 as that choice's error, never the whole request's).
 
+The next mask can be started ahead (``prefetch``, on a thread pool: ``zoo.engine.mask_schedule``
+decides when, and how long a step waits for it); ``fill`` takes it.
+
 Speculative decoding: ``fill(rows, drafts)`` writes the masks of the k+1 verify positions: position
 0 from the current state, position i after drafts 1..i, which the matcher consumes tentatively and
 then rolls back (a draft the grammar refuses ends it: the positions after it are left all-allowed,
-the device rejects that draft anyway since it is masked at its own position).
+the device rejects that draft anyway since it is masked at its own position). Past a ``deadline``
+the later positions are not computed, and ``fill`` says how many tokens may stand.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -107,6 +112,7 @@ class Constraint:
         self.error: str | None = None
         self.complete = False               # the grammar finished and nothing re-arms it
         self.reasoning = None if self.wait else reasoning   # undecided: the first token may open reasoning
+        self._ahead: tuple[np.ndarray, object] | None = None   # the next mask being computed (``prefetch``)
 
     @property
     def armed(self) -> bool:
@@ -118,6 +124,7 @@ class Constraint:
         new = object.__new__(Constraint)
         new.__dict__.update(self.__dict__)
         new.matcher, new.wait, new.tail = self.matcher.deep_copy(), list(self.wait), list(self.tail)
+        new._ahead = None
         return new
 
     def check_start(self) -> None:
@@ -163,6 +170,7 @@ class Constraint:
         """The row emitted ``tokens`` (``forced``: the engine forced them). Returns how many of them
         stand: all, or up to the one that completed the grammar (``complete`` set), or those before
         the one that broke it (``error`` set)."""
+        self._drop_ahead()
         for n, tok in enumerate(tokens):
             if self.complete:
                 return n
@@ -189,35 +197,72 @@ class Constraint:
                     self.complete = True
         return len(tokens)
 
-    def fill(self, rows: np.ndarray, drafts=()) -> None:
+    # -- the masks ------------------------------------------------------------------------------
+    @property
+    def pending(self):
+        """The future of the next mask started by ``prefetch`` (None: none started)."""
+        return None if self._ahead is None else self._ahead[1]
+
+    def prefetch(self, pool) -> None:
+        """Start computing the next position's mask on ``pool`` (a ``concurrent.futures`` executor;
+        llguidance drops the GIL), unless one is started; ``fill`` takes it. The matcher must not be
+        touched meanwhile (``advance`` waits for it)."""
+        if self._ahead is None:
+            row = np.empty(self.words, np.int32)
+            self._ahead = (row, pool.submit(self._first_mask, row))
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].result()
+            self._ahead = None
+
+    def _first_mask(self, row: np.ndarray) -> None:
+        """The next position's mask into ``row`` [W] (all-allowed while the gate waits; the opening
+        reasoning token added while undecided); a dead end sets ``error``."""
+        row[:] = ALL
+        if self.armed:
+            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            why = self.dead_end(row) if self.error is None else None
+            if why is not None:
+                self.error = f"the output grammar cannot go on: {why}"    # the step ends the choice
+        if self.reasoning is not None:
+            opening = self.reasoning[0]
+            row[opening // 32] |= np.int32(np.uint32(1 << (opening % 32)).view(np.int32))
+
+    def fill(self, rows: np.ndarray, drafts=(), deadline: float | None = None) -> int:
         """Masks for the next ``1 + len(drafts)`` positions into ``rows`` ``[>= 1 + len(drafts), W]``
-        int32 (see the module doc)."""
+        int32 (see the module doc): the first one ``prefetch`` started (waited for) or computed
+        here. Past ``deadline`` (``time.perf_counter()``) no further draft position is computed.
+        Returns how many positions' tokens may stand: ``1 + len(drafts)``, or j when the deadline
+        stopped the masks at position j (the later positions are left all-allowed)."""
         rows[:len(drafts) + 1] = ALL
+        if self._ahead is not None:
+            ahead, future = self._ahead
+            future.result()
+            self._ahead = None
+            rows[0] = ahead
+        else:
+            self._first_mask(rows[0])
+        if not len(drafts) or (self.reasoning is not None and int(drafts[0]) == self.reasoning[0]):
+            return len(drafts) + 1          # reasoning opened by the first draft: the rest is free
         wait, tail = list(self.wait), list(self.tail)
-        consumed = 0
-        for i in range(len(drafts) + 1):
-            if not wait:
-                self.matcher.unsafe_compute_mask_ptr(rows[i].ctypes.data, rows.shape[1] * 4)
-                if i == 0 and self.error is None:
-                    why = self.dead_end(rows[0])
-                    if why is not None:
-                        self.error = f"the output grammar cannot go on: {why}"    # the step ends the choice
-            if i == 0 and self.reasoning is not None:
-                opening = self.reasoning[0]
-                rows[0, opening // 32] |= np.int32(np.uint32(1 << (opening % 32)).view(np.int32))
-                if drafts and int(drafts[0]) == opening:
-                    break                   # reasoning: the rest is free
-            if i == len(drafts):
-                break
-            tok = int(drafts[i])
+        consumed, standing = 0, len(drafts) + 1
+        for i in range(1, len(drafts) + 1):
+            tok = int(drafts[i - 1])
             if wait:
                 self._pass(wait, tail, tok)
             elif self.matcher.is_stopped() or not self.matcher.try_consume_tokens([tok]):
-                break
+                break                       # refused: the device rejects that draft at its own position
             else:
                 consumed += 1
+            if not wait:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    standing = i
+                    break
+                self.matcher.unsafe_compute_mask_ptr(rows[i].ctypes.data, rows.shape[1] * 4)
         if consumed:
             self.matcher.rollback(consumed)
+        return standing
 
 
 def _clean(error: str) -> str:

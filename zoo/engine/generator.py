@@ -45,10 +45,12 @@ ends after its prefill (an echo of the prompt's logprobs, as lm-evaluation-harne
 
 Structured outputs (``zoo.engine.constraint``): a request with a ``Constraint`` gets a token
 bitmask per step, filled on the host by llguidance before the step from what it emitted so far, an
-input of the one step program (all ones for the other rows; a batch with no constrained row passes
-one resident all-ones mask). Under MTP a constrained row takes one token per step (cap 1, its mask
-at the first verify position: exactly a sample of the masked distribution). A request whose
-grammar completes finishes with "stop".
+input of the split step (``zoo.engine.masked_step``: all ones for the other rows; a batch with no
+constrained row runs the fused step). A row's next mask starts computing as soon as its tokens are
+known, and a step waits for a late one at most a share of a step's time: past that the row sits the
+step out (``zoo.engine.mask_schedule``; ``stats["mask_waits"]``). Under MTP the masks of the verify
+positions follow the drafts (``Constraint.fill``). A request whose grammar completes finishes with
+"stop".
 
 Several choices (``n``): ``make_request(n=...)`` returns the first choice with the others in
 ``forks``; the prompt is prefilled once, its cache row copied into one row per choice, each choice
@@ -83,11 +85,9 @@ from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
-import llguidance
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from llguidance.numpy import fill_next_token_bitmask_par
 
 from zoo.engine import speculative
 from zoo.engine.admission import Admission
@@ -95,6 +95,7 @@ from zoo.engine.constraint import Constraint, OutputGrammar, compile_constraints
 from zoo.engine.fill import Fill, round_up
 from zoo.engine.image_prefill import ImagePrefill, check_images, multimodal
 from zoo.engine.logprobs import TokenLogprob, maybe_token_logprobs, records, to_numpy
+from zoo.engine.mask_schedule import MaskSchedule
 from zoo.engine.masked_step import MaskedPrograms, pick_next
 from zoo.engine.options import RequestOptions, check_token_ids
 from zoo.engine.prefix_cache import PrefixCache, token_strides
@@ -176,7 +177,7 @@ class Generator(ProgramSet, Admission):
         self.vocab = int(model.config.vocab_size)           # the logits' width
         self._mask_words = mask_words(self.vocab)
         self._all_ones = None                               # the resident all-allowed masks (``_masks``)
-        self._executor = None                               # llguidance's thread pool, made on first use
+        self.mask_schedule = MaskSchedule()                 # when masks are computed, how long a step waits
         self._init_prefix_cache(prefix_cache, prefix_cache_host_gb, prefix_block)
         self.prefills = 0                                   # prompts prefilled (a request's choices share one)
         self.prefill_tokens = 0                             # prefill piece widths run (padding included)
@@ -379,11 +380,20 @@ class Generator(ProgramSet, Admission):
         active = self._decoding()
         if not active.any():
             return bool(self._waiting) or self._fill is not None
+        constrained = self._constrained(active)
+        if constrained:
+            late = self.mask_schedule.late(constrained, others=len(constrained) < active.sum())
+            for r in late:
+                active[r] = False            # its mask is not ready: it sits this step out
+                self._rows[r].stats["mask_waits"] = self._rows[r].stats.get("mask_waits", 0) + 1
+            if not active.any():
+                return True
         rows = [req if on else None for req, on in zip(self._rows, active)]
         force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in rows], np.int32)
         cap = np.array([self._room(r) if r is not None else 1 for r in rows], np.int32)
         want = any(r is not None and r.options.logprobs is not None for r in rows)
         self.steps += 1
+        t0 = time.perf_counter()
         try:
             if any(r is not None and r.constraint is not None for r in rows):
                 out = self._masked_step(active, force, cap, np.bool_(want))
@@ -395,6 +405,7 @@ class Generator(ProgramSet, Admission):
         except Exception as e:
             self._fail_batch(e)
             return True
+        self.mask_schedule.timed(time.perf_counter() - t0)
         for r, req in enumerate(rows):
             if req is None or req.finish_reason is not None:
                 continue
@@ -405,7 +416,15 @@ class Generator(ProgramSet, Admission):
                 self._take_step(req, tokens[r, :counts[r]].tolist(), row_scores, bool(force[r] >= 0))
             except Exception as e:
                 self._fail(req, e)
+        self.mask_schedule.prefetch(self._constrained(self._decoding()).values())    # the next step's masks
         return True
+
+    def _constrained(self, active: np.ndarray) -> dict:
+        """Row -> constraint of the ``active`` rows whose next token is masked (running, constrained,
+        not forcing a token)."""
+        return {r: req.constraint for r, req in enumerate(self._rows)
+                if active[r] and req is not None and req.finish_reason is None and req.constraint is not None
+                and not req.forcing}
 
     def _decoding(self) -> np.ndarray:
         """[B] bool: the rows a decode step runs (held by a request whose prompt is prefilled)."""
@@ -453,34 +472,19 @@ class Generator(ProgramSet, Admission):
 
     def _masked_step(self, active, force, cap, want):
         """The step split around the host's token bitmasks (``zoo.engine.masked_step``); returns
-        what ``_step_fn`` returns."""
+        what ``_step_fn`` returns. ``cap`` may be lowered where a row's draft masks ran out of time."""
         p = self._masked
         masks = self._masks(self._B, self.k + 1)
+        rows = self._constrained(active)
         if not self.k:
             batch, logits = p.logits(self._state, self._batch, active)      # dispatched, runs meanwhile
-            self._fill_masks(masks, active)
+            self.mask_schedule.fill(masks, rows)
             return p.pick(batch, logits, active, force, masks[:, :1], want)
         batch, drafts, q, x_m = p.draft(self._state, self._batch, active)
         host_drafts = host_value(drafts)
         batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active)
-        self._fill_masks(masks, active, host_drafts)
+        self.mask_schedule.fill(masks, rows, host_drafts, cap)               # while the verify runs
         return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want)
-
-    def _fill_masks(self, masks: np.ndarray, active: np.ndarray, drafts: np.ndarray | None = None) -> None:
-        """Each constrained row's masks into ``masks`` [B, T, W] (the others stay all-allowed): one
-        position from the matcher's state (in parallel over rows), or with ``drafts`` [B, k] one
-        per verify position. ``active`` [B]: the rows the step decodes."""
-        rows = [(r, req.constraint) for r, req in enumerate(self._rows)
-                if active[r] and req.constraint is not None and not req.forcing]
-        if drafts is not None:
-            for r, c in rows:
-                c.fill(masks[r], drafts[r])
-            return
-        armed = [(c.matcher, r * masks.shape[1]) for r, c in rows if c.armed]
-        if armed:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            fill_next_token_bitmask_par(self._executor, armed, masks.reshape(-1, masks.shape[-1]))
 
     def _room(self, req: Request) -> int:
         """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""

@@ -17,7 +17,9 @@ Only the leader's requests have callbacks (it serves HTTP); a follower's copies 
 programs. Plans are JSON; a request travels as its prompt ids and its options object
 (``RequestOptions.to_json``, every field of it: an option added there needs no change here; the
 output grammar as its ``OutputGrammar``, each process compiles its own matcher). Stop strings are
-matched by each process's engine, so the followers end a request where the leader does.
+matched by each process's engine, so the followers end a request where the leader does. Nothing
+the engine decides may depend on a timing: a constrained row waits for its mask however long it
+takes (``MaskSchedule.share`` None; on one process a late mask sits the row out instead).
 
 ``Leader`` has the generator methods the server's engine thread uses (``make_request``, ``submit``,
 ``cancel``, ``run_forever``, ``faults``, ...), so ``zoo serve`` puts it where a ``Generator`` would
@@ -91,6 +93,7 @@ class Leader:
 
     def __init__(self, generator, channel: Channel):
         self.gen, self.channel = generator, channel
+        generator.mask_schedule.share = None            # no step decided by a timing (every process decides alike)
         self.n = 0
         self._lock = threading.Lock()
         self._events: list[tuple[str, object]] = []     # ("submit" | "cancel", request) since the last step
@@ -178,6 +181,7 @@ class Follower:
 
     def __init__(self, generator, channel: Channel):
         self.gen, self.channel = generator, channel
+        generator.mask_schedule.share = None            # as the leader's: every mask is waited for
         self.reqs: dict[int, object] = {}
         self.n = 0                                      # plans applied
 

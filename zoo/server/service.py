@@ -218,6 +218,7 @@ class ChatPrompt:
     new_parser: Callable[[], tuple[OutputParser, list]] | None = None   # (parser, initial) for another choice
     marks: tuple[int, ...] = ()        # token positions where the prefix cache should keep a snapshot
     images: tuple = ()                 # the engine's ImageInput per image, in prompt order
+    encoded: object = None             # the rendered text's encoding (``Encoded``; None with images)
 
     def parsers(self, n: int) -> list[tuple[OutputParser, list]]:
         """(parser, initial events) for each of ``n`` choices."""
@@ -283,7 +284,7 @@ class Service:
                     tool_name: str | None = None, thinking: bool | None = None,
                     template_kwargs: dict | None = None, prefill: str = "", output: OutputGrammar | None = None,
                     parallel_calls: bool = True, marks: Sequence[str] = (),
-                    images: ImageParts | None = None) -> ChatPrompt:
+                    images: ImageParts | None = None, prior=None) -> ChatPrompt:
         """Render ``messages`` (HF form) with the chat template.
 
         tool_choice: "auto", "none" (tools left out of the prompt, no parsing), "required" or
@@ -296,6 +297,9 @@ class Service:
         snapshot (Anthropic ``cache_control``); each becomes the token position where it ends.
         ``images``: the request's images, whose sentinels the messages' text holds
         (``image_inputs``): each becomes the model's placeholder, expanded to its tokens.
+        ``prior``: an earlier prompt's ``ChatPrompt.encoded`` whose tokens are reused where this
+        one's text begins the same (``Tokenizer.encode_continuing``: the ids are those of a full
+        encode; a Responses conversation passes its previous turn's).
 
         The output grammar: a forced call follows the tools' grammar; else ``output`` if given, else,
         when every tool is ``strict``, each call the model opens. It applies after the reasoning
@@ -347,10 +351,16 @@ class Service:
             grammar = dataclasses.replace(opening, wait=wait + (trigger,), rearm=trigger)
         parser, initial = new_parser()
         self.check_prompt_chars(text + close + prefill + forced)
-        ids, ends = self.tokenizer.encode_with_ends(text + close + prefill + forced)
+        full = text + close + prefill + forced
+        if images:
+            encoded = None
+            ids, ends = self.tokenizer.encode_with_ends(full)
+        else:
+            encoded = self.tokenizer.encode_continuing(full, prior)
+            ids, ends = list(encoded.ids), encoded.ends
         ids, token_marks, prepared = self.with_images(ids, images, _token_marks(text, ends, marks))
         return ChatPrompt(ids, parser, initial, opens_reasoning=opens, grammar=grammar, new_parser=new_parser,
-                          marks=token_marks, images=tuple(prepared))
+                          marks=token_marks, images=tuple(prepared), encoded=encoded)
 
     # -- generation -------------------------------------------------------------------------------
     def request_options(self, ids: list[int], *, max_tokens: int | None, seed: int | None = None,

@@ -8,10 +8,12 @@ templates use (``raise_exception``, ``tojson``, ``strftime_now``).
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import functools
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,28 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """A text and its encoding: ``ids``, and per token the character offset where it ends (``ends``)."""
+    text: str
+    ids: list[int]
+    ends: list[int]
+
+
+def common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (compared in slices, in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:                       # a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any], chat_template: str | None):
         self._tok = tokenizer
@@ -65,6 +89,8 @@ class Tokenizer:
         self.eos_token_ids = tuple(i for i in [self.token_to_id(self.eos_token)] if i is not None)
         self._template = None
         self._added: set[int] | None = None
+        self._boundaries: frozenset[int] | None = None
+        self.chars_encoded = 0
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer | None":
@@ -132,9 +158,44 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
-        """``encode`` and, per token, the character offset where its text ends."""
+        """``encode`` and, per token, the character offset where its text ends (``chars_encoded``
+        counts the characters this has tokenized)."""
+        self.chars_encoded += len(text)
         enc = self._tok.encode(text, add_special_tokens=False)
         return enc.ids, [end for _, end in enc.offsets]
+
+    def encode_continuing(self, text: str, prior: "Encoded | None" = None) -> "Encoded":
+        """``text`` encoded (``encode_with_ends``), reusing the tokens of ``prior`` (an earlier text's
+        encoding) up to the last boundary token that lies wholly in the text both begin with: only
+        the rest is tokenized. A boundary is a special added token that strips no whitespace: the
+        tokenizer splits the text at such tokens before anything else, so what precedes one never
+        changes what follows. The result equals a full ``encode_with_ends(text)``."""
+        cut, keep = 0, 0
+        if prior is not None and prior.ids:
+            shared = common_prefix(prior.text, text)
+            boundary = self._boundary_ids()
+            i = bisect.bisect_right(prior.ends, shared) - 1
+            while i >= 0 and prior.ids[i] not in boundary:
+                i -= 1
+            if i >= 0:
+                cut, keep = prior.ends[i], i + 1
+        ids, ends = self.encode_with_ends(text[cut:])
+        return Encoded(text, prior.ids[:keep] + ids if keep else ids,
+                       prior.ends[:keep] + [cut + e for e in ends] if keep else ends)
+
+    def _boundary_ids(self) -> frozenset[int]:
+        """Special added tokens that strip nothing, if the text after one tokenizes alone as it does
+        after it (checked on probe texts: a tokenizer that treats a text's start apart, as a
+        prepended space, has none)."""
+        if self._boundaries is None:
+            found = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
+                     if t.special and not t.lstrip and not t.rstrip}
+            for token in list(found.values())[:4]:
+                for after in (" y\n z", "y z", "\n\ny"):
+                    if self.encode("x" + token + after) != self.encode("x" + token) + self.encode(after):
+                        found = {}
+            self._boundaries = frozenset(found)
+        return self._boundaries
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -38,7 +38,7 @@ def server(tmp_path_factory):
     model = scripted_model(tmp_path_factory.mktemp("responses-ckpt"), QWEN_TEMPLATE, SCRIPTS)
     app = create_app(model, api_key=KEY, keepalive_s=0.1, model_name="tiny", default_max_tokens=MAX)
     with ServerThread(app) as s:
-        s.tokenizer = model.tokenizer
+        s.tokenizer, s.app = model.tokenizer, app
         client(s).responses.create(model="tiny", input=say(REASON))      # warm up
         yield s
 
@@ -132,6 +132,26 @@ def test_function_tool_and_previous_response_id(server):
     with pytest.raises(openai.NotFoundError) as e:
         c.responses.create(model="tiny", previous_response_id=unstored.id, input="again")
     assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
+
+
+def test_a_long_chain_tokenizes_only_what_each_turn_adds(server):
+    """40 turns by ``previous_response_id``: each prompt is the whole conversation rendered, and its
+    ids are those of tokenizing it whole, yet each turn tokenizes about what it added (the previous
+    turn's tokens are reused up to where the texts differ). The prefix cache's side:
+    ``tests/server/test_prefix_cache.py``."""
+    c, tok = client(server), server.tokenizer
+    store = server.app.state.responses
+    prev, tokenized, last = None, [], None
+    for _ in range(40):
+        before = tok.chars_encoded
+        last = c.responses.create(model="tiny", input=say(PLAIN), previous_response_id=prev)
+        tokenized.append(tok.chars_encoded - before)
+        prev = last.id
+    turn = store.get(last.id)
+    assert turn.depth == 39 and len(turn.conversation()) == 80
+    for t in (turn, turn.parent, turn.parent.parent):
+        assert (t.prompt.ids, t.prompt.ends) == tok.encode_with_ends(t.prompt.text)
+    assert len(turn.prompt.text) > 20 * tokenized[0] and max(tokenized[1:]) < 2 * tokenized[0]
 
 
 def test_forced_function_namespaces_and_parallel_tool_calls(server):

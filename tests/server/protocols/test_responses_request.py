@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from zoo.server.protocols.response_store import ResponseStore
 from zoo.server.protocols.responses_request import ResponsesRequest, function_tools, template_messages, tool_choice
 from zoo.server.validation import ApiError
 
@@ -97,18 +98,53 @@ def test_malformed_tools_are_a_400(tools, choice, where):
 
 
 def test_the_response_store_is_bounded_in_entries_and_in_bytes():
-    from zoo.server.protocols.responses_api import ResponseStore
-
     store = ResponseStore(limit=3, max_bytes=10_000)
     item = [{"role": "user", "content": "x" * 2000}]
     for i in range(4):
-        store.put(f"r{i}", item, {"id": f"r{i}"})
+        store.put(f"r{i}", None, item, {"id": f"r{i}"})
     assert store.get("r0") is None and store.get("r1") is not None          # the entry bound, oldest first
-    store.put("big", [{"role": "user", "content": "y" * 7000}], {"id": "big"})   # the byte bound: r2, r3 go
+    store.put("big", None, [{"role": "user", "content": "y" * 7000}], {"id": "big"})   # the byte bound: r2, r3 go
     assert [store.get(k) is not None for k in ("r1", "r2", "r3", "big")] == [True, False, False, True]   # r1: read
     assert store.bytes <= 10_000
-    store.put("huge", [{"role": "user", "content": "z" * 20_000}], {"id": "huge"})   # larger than the bound: not kept
-    assert store.get("huge") is None and store.get("big") is not None
-    store.put("big", item, {"id": "big"})                                    # replacing counts the new size only
-    assert store.bytes == sum(len(json.dumps(items)) + len(json.dumps(response))
-                              for items, response in (store.get("r1"), store.get("big")))
+    assert store.put("huge", None, [{"role": "user", "content": "z" * 20_000}], {"id": "huge"}) is None
+    assert store.get("huge") is None and store.get("big") is not None       # larger than the bound: not kept
+    store.put("big", None, item, {"id": "big"})                              # replacing counts the new size only
+    assert store.bytes == store.get("r1").size + store.get("big").size == sum(
+        len(json.dumps(t.items)) + len(json.dumps(t.response)) for t in (store.get("r1"), store.get("big")))
+
+
+def test_a_chain_longer_than_the_index_keeps_every_turn_it_needs():
+    """A conversation of 300 turns in a store indexing 256: the early responses leave the index
+    (not found by id) but the chain from the latest one is whole, each turn stored once; when the
+    chain's last response goes, every turn of it is freed."""
+    store = ResponseStore(limit=256, max_bytes=10 << 20)
+    parent = None
+    for i in range(300):
+        parent = store.put(f"r{i}", parent, [{"role": "user", "content": f"q{i}"}, {"type": "message", "a": i}],
+                           {"id": f"r{i}"})
+    assert len(store) == 256 and store.get("r0") is None and store.get("r43") is None
+    chain = store.get("r299").conversation()
+    assert [m["content"] for m in chain[::2]] == [f"q{i}" for i in range(300)]
+    assert store.bytes == sum(len(json.dumps(t.items)) + len(json.dumps(t.response))
+                              for t in _turns(store.get("r299")))
+    other = store.put("x", None, [{"role": "user", "content": "y" * 10}], {"id": "x"})
+    for i in range(256):                         # new responses push every one of the chain's out
+        store.put(f"n{i}", other, [], {"id": f"n{i}"})
+    assert store.get("r299") is None and store.get("x") is None
+    assert store.bytes == other.size + sum(store.get(f"n{i}").size for i in range(256))     # x: held by them
+
+
+def test_a_parent_evicted_while_its_turn_ran_is_held_again():
+    store = ResponseStore(limit=1, max_bytes=1 << 20)
+    first = store.put("a", None, [{"content": "one"}], {"id": "a"})
+    store.put("b", None, [{"content": "two"}], {"id": "b"})           # a leaves the index and is freed
+    assert store.get("a") is None and store.bytes == store.get("b").size
+    turn = store.put("c", first, [{"content": "three"}], {"id": "c"})  # a's turn ran meanwhile: it continues a
+    assert [m["content"] for m in turn.conversation()] == ["one", "three"]
+    assert store.bytes == first.size + turn.size
+
+
+def _turns(turn):
+    while turn is not None:
+        yield turn
+        turn = turn.parent

@@ -18,17 +18,17 @@ response.reasoning_summary_text.delta / .done / response.reasoning_summary_part.
 response.function_call_arguments.delta / .done), response.output_item.done; then
 response.completed, or response.incomplete (the output cut at ``max_output_tokens`` or the context:
 ``incomplete_details.reason`` "max_output_tokens"), or response.failed; ``: keep-alive`` comments
-while silent. A stored response (``store``, the default) is kept in a bounded in-memory store (the
-last ``STORE_LIMIT``, at most ``STORE_BYTES`` of JSON) for ``previous_response_id``: its conversation
-(input and output items) comes before the new input. ``parallel_tool_calls`` false keeps the first call only. Errors use
-OpenAI's schema. ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` 0..20) fills
-the output_text part's ``logprobs`` (every generated token, reasoning included, in order; each
+while silent. A stored response (``store``, the default) is kept in a bounded in-memory store
+(``response_store``: the last ``STORE_LIMIT``, at most ``STORE_BYTES`` of JSON; a turn keeps the
+turns before it) for ``previous_response_id``: its conversation (input and output items) comes
+before the new input, and its prompt's tokens are reused up to where the new prompt's text differs.
+``parallel_tool_calls`` false keeps the first call only. Errors use OpenAI's schema.
+``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` 0..20) fills the output_text part's ``logprobs`` (every generated token, reasoning included, in order; each
 ``response.output_text.delta`` carries those of the tokens that arrived with it).
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import json
 import time
@@ -38,6 +38,7 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
+from zoo.server.protocols.response_store import STORE_BYTES, STORE_LIMIT, ResponseStore, Turn
 from zoo.server.protocols.responses_request import (
     EFFORT_OFF,
     ResponsesRequest,
@@ -55,37 +56,7 @@ from zoo.text.tool_calls import ToolCallArgs, ToolCallEnd, ToolCallStart
 
 router = APIRouter()
 LOGPROBS = "message.output_text.logprobs"     # the ``include`` value asking for them
-STORE_LIMIT = 256          # stored responses kept for previous_response_id (the least recently used go first)
-STORE_BYTES = 256 << 20    # and at most this many bytes of them (their JSON)
 SHOWN_ID_CHARS = 64        # of an unknown id, this much is echoed in the 404
-
-
-class ResponseStore:
-    """The last ``limit`` stored responses, at most ``max_bytes`` of them (their JSON size): each one's
-    conversation items (its input, after those of the response it continued, and its output) and its
-    response object. A response larger than ``max_bytes`` alone is not kept."""
-
-    def __init__(self, limit: int = STORE_LIMIT, max_bytes: int = STORE_BYTES):
-        self.limit, self.max_bytes, self.bytes = limit, max_bytes, 0
-        self._entries: collections.OrderedDict[str, tuple[list[dict], dict, int]] = collections.OrderedDict()
-
-    def put(self, response_id: str, items: list[dict], response: dict) -> None:
-        size = len(json.dumps(items)) + len(json.dumps(response))
-        old = self._entries.pop(response_id, None)
-        self.bytes -= old[2] if old else 0
-        if size > self.max_bytes:
-            return
-        self._entries[response_id] = (items, response, size)
-        self.bytes += size
-        while len(self._entries) > self.limit or self.bytes > self.max_bytes:
-            self.bytes -= self._entries.popitem(last=False)[1][2]
-
-    def get(self, response_id: str) -> tuple[list[dict], dict] | None:
-        entry = self._entries.get(response_id)
-        if entry is None:
-            return None
-        self._entries.move_to_end(response_id)
-        return entry[0], entry[1]
 
 
 def response_store(app) -> ResponseStore:
@@ -276,8 +247,10 @@ def _format(body: ResponsesRequest) -> dict:
     return {"type": "text"} if fmt is None else fmt.model_dump()
 
 
-def _render(service, body: ResponsesRequest, prior: list[dict]):
-    """The prompt and the namespace of each namespaced function."""
+def _render(service, body: ResponsesRequest, parent: Turn | None):
+    """The prompt and the namespace of each namespaced function; ``parent``: the stored turn this
+    one continues (its conversation comes first; its prompt's tokens are reused where they can be)."""
+    prior = parent.conversation() if parent is not None else []
     tools, namespaces = function_tools(body)
     choice, name = tool_choice(body, tools)
     effort = body.reasoning.effort if body.reasoning is not None else None
@@ -288,7 +261,8 @@ def _render(service, body: ResponsesRequest, prior: list[dict]):
     output = None if fmt is None else response_format_grammar(fmt.model_dump(), "text.format")
     prompt = service.chat_prompt(messages, tools=tools or None, tool_choice=choice, tool_name=name,
                                  thinking=thinking, template_kwargs={"reasoning_effort": effort} if effort else {},
-                                 output=output, parallel_calls=body.parallel_tool_calls, images=images)
+                                 output=output, parallel_calls=body.parallel_tool_calls, images=images,
+                                 prior=parent.prompt if parent is not None else None)
     return prompt, namespaces
 
 
@@ -298,14 +272,13 @@ async def create_response(request: Request):
     store = response_store(request.app)
     body = await run_in_threadpool(parse_body, ResponsesRequest, await request.body())
     check_supported(body)
-    prior: list[dict] = []
+    parent = None
     if body.previous_response_id:
-        found = store.get(body.previous_response_id)
-        if found is None:
+        parent = store.get(body.previous_response_id)
+        if parent is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
-        prior = found[0]
     # rendering and tokenizing a long prompt takes a while: in a worker thread, not on the event loop
-    prompt, namespaces = await run_in_threadpool(_render, service, body, prior)
+    prompt, namespaces = await run_in_threadpool(_render, service, body, parent)
     logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or []) else None
     options = service.request_options(prompt.ids, max_tokens=body.max_output_tokens, temperature=body.temperature,
                                       top_p=body.top_p, thinking_opened=prompt.opens_reasoning, logprobs=logprobs,
@@ -318,8 +291,8 @@ async def create_response(request: Request):
 
     def keep(response: dict) -> None:
         if body.store and response["status"] != "failed":
-            store.put(response["id"], prior + input_items(body) + copy.deepcopy(response["output"]),
-                      copy.deepcopy(response))
+            store.put(response["id"], parent, input_items(body) + copy.deepcopy(response["output"]),
+                      copy.deepcopy(response), prompt=prompt.encoded)
 
     if body.stream:
         return EventSourceResponse(guarded(_stream(events, job, builder, keep), lambda msg: _sse(
@@ -364,4 +337,4 @@ async def get_response(response_id: str, request: Request):
     found = response_store(request.app).get(response_id)
     if found is None:
         raise _not_found(response_id)
-    return found[1]
+    return found.response
