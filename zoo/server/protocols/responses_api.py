@@ -23,7 +23,8 @@ while silent. A stored response (``store``, the default) is kept in a bounded in
 turns before it) for ``previous_response_id``: its conversation (input and output items) comes
 before the new input, and its prompt's tokens are reused up to where the new prompt's text differs.
 ``parallel_tool_calls`` false keeps the first call only. Errors use OpenAI's schema.
-``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` 0..20) fills the output_text part's ``logprobs`` (every generated token, reasoning included, in order; each
+``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` 0..20) fills the output_text
+part's ``logprobs`` (every generated token, reasoning included, in order; each
 ``response.output_text.delta`` carries those of the tokens that arrived with it).
 """
 
