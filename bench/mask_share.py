@@ -12,7 +12,8 @@ unconstrained stream decodes ``--tokens`` tokens, beside:
                  still admits), compiled before the stream starts                  -> G2
     slow, wait   a row under an ambiguous Lark grammar whose masks grow with its
                  output (Earley items: ~1 ms at 30 tokens, ~10 ms at 200; within
-                 llguidance's per-mask limits), every step waiting for its mask    -> G3
+                 llguidance's per-mask limits), ``--head-start`` tokens ahead of
+                 the stream, every step waiting for its mask                       -> G3
     slow         the same with the engine's rule (``zoo.engine.mask_schedule``):
                  a step waits for a late mask at most a share of a step's time,
                  then the row sits the step out                                    -> G4
@@ -37,18 +38,26 @@ from zoo.engine.mask_schedule import MASK_SHARE
 from zoo.server import grammar as G
 
 
-def stream_gap(gen: Generator, tokens: int, neighbour: OutputGrammar | None, seed: int) -> tuple[float, int, int]:
-    """The stream's median gap, and the neighbour's tokens and steps sat out meanwhile."""
+def stream_gap(gen: Generator, tokens: int, neighbour: OutputGrammar | None, seed: int,
+               head_start: int = 0) -> tuple[float, int, int]:
+    """The stream's median gap, and the tokens the neighbour made and the steps it sat out meanwhile
+    (it starts ``head_start`` tokens ahead of the stream)."""
     times: list[float] = []
     other = None
     if neighbour is not None:                # its grammar compiled here, before the stream starts
-        other = gen.submit(gen.make_request([7, 8, 9], max_new_tokens=4 * tokens, grammar=neighbour))
+        other = gen.make_request([7, 8, 9], max_new_tokens=head_start + 4 * tokens, grammar=neighbour)
     stream = gen.make_request([11 + seed, 22, 33, 44], max_new_tokens=tokens, on_tokens=arrival_clock(times))
     with engine_running(gen):
+        made = waits = 0
+        if other is not None:
+            gen.submit(other)
+            while len(other.tokens) < head_start and not other.done.is_set():
+                time.sleep(0.005)
+            made, waits = -len(other.tokens), -other.stats.get("mask_waits", 0)
         gen.submit(stream)
         stream.done.wait()
-        made, waits = (0, 0) if other is None else (len(other.tokens), other.stats.get("mask_waits", 0))
         if other is not None:
+            made, waits = made + len(other.tokens), waits + other.stats.get("mask_waits", 0)
             gen.cancel(other)
             other.done.wait()
     return statistics.median(b - a for a, b in zip(times[1:], times[2:])), made, waits
@@ -60,6 +69,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--properties", type=int, default=3500)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--head-start", type=int, default=150, help="tokens the slow row makes before the stream")
     args = ap.parse_args()
     model = zoo.load(args.model)
     gen = Generator(model, max_batch=2, context=2048, prefix_cache=0)
@@ -79,7 +89,8 @@ def main() -> None:
     for name, grammar, share in cases:
         gen.mask_schedule.share = share
         t0 = time.perf_counter()
-        runs = sorted(stream_gap(gen, args.tokens, grammar, i) for i in range(args.repeat))
+        head = args.head_start if name.startswith("slow") else 0
+        runs = sorted(stream_gap(gen, args.tokens, grammar, i, head) for i in range(args.repeat))
         results[name] = runs[len(runs) // 2][0]
         made, waits = runs[len(runs) // 2][1:]
         extra = f"   the constrained row: {made} tokens, {waits} steps sat out" if grammar is not None else ""

@@ -187,7 +187,8 @@ def test_text_is_tokenized_with_the_models_tokenizer(family, tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen"], indirect=True)
 def test_pass_two_on_a_mesh_of_eight_devices_gives_the_same_figures(family):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-m", "zoo", "eval", "kld", str(family["q4_path"]), "--dtype", "float32",
                            "--mesh", "tp", "--base", str(family["base"]), "--batch", "2", "--json", "--quiet"],
                           capture_output=True, text=True, env=env)

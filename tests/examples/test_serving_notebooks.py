@@ -8,6 +8,7 @@ measures; the notebooks' own last cells check that every measurement produced to
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from tests.support.notebooks import NOTEBOOKS, outputs_text, run_notebook
 
 COMMON = {"INSTALL": None, "GGUF": None, "PUSH_DATASET": None, "MAX_TOKENS": 32, "BATCHES": [1, 3],
           "SERVE_ARGS": ["--max-batch", "4", "--context", "1024", "--prefill-chunk", "64"]}
-EIGHT_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT_CPUS = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
 
 
 def sweep_of(text: str) -> list[dict]:
