@@ -144,6 +144,19 @@ def test_a_parent_evicted_while_its_turn_ran_is_held_again():
     assert store.bytes == first.size + turn.size
 
 
+def test_only_the_latest_turn_keeps_its_prompt_and_it_counts():
+    from zoo.server.protocols.response_store import prompt_bytes
+    from zoo.text.tokenizer import Encoded
+
+    store = ResponseStore(limit=8, max_bytes=1 << 20)
+    first = store.put("a", None, [{"content": "one"}], {"id": "a"}, prompt=Encoded("p" * 100, [1] * 10, [10] * 10))
+    assert first.size == len(json.dumps(first.items)) + len(json.dumps(first.response)) + 100 + 72 * 10
+    second = store.put("b", first, [{"content": "two"}], {"id": "b"}, prompt=Encoded("q" * 200, [2] * 20, [5] * 20))
+    assert first.prompt is None and second.prompt is not None and prompt_bytes(second.prompt) == 200 + 72 * 20
+    assert store.bytes == first.size + second.size and first.size == len(json.dumps(first.items)) + len(
+        json.dumps(first.response))
+
+
 def _turns(turn):
     while turn is not None:
         yield turn

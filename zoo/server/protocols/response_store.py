@@ -5,7 +5,8 @@ A stored response is a ``Turn``: the turn it continued (``previous_response_id``
 holding only what it added, so a chain of n turns takes O(n) memory, not O(n^2). A turn also keeps
 its prompt as rendered and tokenized (``Turn.prompt``): the next turn's prompt shares most of its
 text, and its tokens up to there are reused (``zoo.text.tokenizer.Encoded``), so a long chain is
-not tokenized again from the start at every turn.
+not tokenized again from the start at every turn. Only a chain's latest turn keeps its prompt (a
+turn continuing another drops the other's), and a prompt counts against ``max_bytes``.
 
 Bounds: the store's index holds the last ``limit`` responses looked up or stored (the least recent
 go first) and at most ``max_bytes`` of turns (their items' and response's JSON). A turn stays as long
@@ -24,12 +25,18 @@ STORE_LIMIT = 256          # stored responses kept for previous_response_id (the
 STORE_BYTES = 256 << 20    # and at most this many bytes of turns (their JSON)
 
 
+def prompt_bytes(prompt) -> int:
+    """About the memory an ``Encoded`` prompt takes: its text, and two Python ints per token."""
+    return 0 if prompt is None else len(prompt.text) + 72 * len(prompt.ids)
+
+
 @dataclass(eq=False)
 class Turn:
     """One stored response: ``parent`` (the turn it continued, or None), its own ``items`` (input
-    then output), its ``response`` object, ``size`` (its JSON bytes), ``prompt`` (its rendered and
-    tokenized prompt, an ``Encoded``, or None). ``holders``: the index entry and the turns after it
-    that keep it."""
+    then output), its ``response`` object, ``size`` (its JSON bytes and its prompt's), ``prompt``
+    (its rendered and tokenized prompt, an ``Encoded``; None once a turn continuing it is stored,
+    whose prompt holds the same and more). ``holders``: the index entry and the turns after it that
+    keep it."""
 
     parent: "Turn | None"
     items: list[dict]
@@ -65,12 +72,16 @@ class ResponseStore:
             prompt=None) -> Turn | None:
         """Store a response continuing ``parent`` with its own ``items``; the new turn, or None when
         it alone exceeds ``max_bytes`` (it is not kept)."""
-        size = len(json.dumps(items)) + len(json.dumps(response))
+        size = len(json.dumps(items)) + len(json.dumps(response)) + prompt_bytes(prompt)
         if size > self.max_bytes:
             return None
         self._drop(response_id)
         turn = Turn(parent, items, response, size, prompt)
         self._hold(turn)
+        if parent is not None and parent.prompt is not None:   # the new turn's prompt supersedes it
+            freed, parent.prompt = prompt_bytes(parent.prompt), None
+            parent.size -= freed
+            self.bytes -= freed                                # held: by the new turn at least
         self._index[response_id] = turn
         while len(self._index) > self.limit or self.bytes > self.max_bytes:
             self._release(self._index.popitem(last=False)[1])
