@@ -35,6 +35,7 @@ the later positions are not computed, and ``fill`` says how many tokens may stan
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import weakref
@@ -209,7 +210,13 @@ class Constraint:
         touched meanwhile (``advance`` waits for it)."""
         if self._ahead is None:
             row = np.empty(self.words, np.int32)
-            self._ahead = (row, pool.submit(self._first_mask, row))
+            if self.armed:
+                self._ahead = (row, pool.submit(self._first_mask, row))
+            else:                               # the gate waits: all-allowed, nothing to compute
+                self._first_mask(row)
+                done = concurrent.futures.Future()
+                done.set_result(None)
+                self._ahead = (row, done)
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
