@@ -68,7 +68,9 @@ def test_prefill_then_decode_equals_full_forward(checkpoint):
     stepped = np.concatenate(steps, axis=1)
     err = rel_err(stepped, full)
     print(f"[{name}] prefill+decode vs full forward rel err: {err:.2e}")
-    assert err <= 1e-4
+    # float32 through 8 layers, the chunked and the recurrent forms: 7.8e-5 compiled with LLVM's
+    # optimizations, 1.1e-4 without them (the suite's setting, tests/conftest.py); a wrong state is ~1e-1
+    assert err <= 2e-4
 
 
 def test_verify_chunk_of_k_tokens_equals_full_forward(checkpoint):
