@@ -35,7 +35,6 @@ the later positions are not computed, and ``fill`` says how many tokens may stan
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 import weakref
@@ -206,22 +205,21 @@ class Constraint:
 
     def prefetch(self, pool) -> None:
         """Start computing the next position's mask on ``pool`` (a ``concurrent.futures`` executor;
-        llguidance drops the GIL), unless one is started; ``fill`` takes it. The matcher must not be
-        touched meanwhile (``advance`` waits for it)."""
-        if self._ahead is None:
+        llguidance drops the GIL), unless one is started or the gate waits (an all-allowed mask:
+        ``fill`` makes it at once); ``fill`` takes it. The matcher must not be touched meanwhile
+        (``advance`` waits for it)."""
+        if self._ahead is None and self.armed:
             row = np.empty(self.words, np.int32)
-            if self.armed:
-                self._ahead = (row, pool.submit(self._first_mask, row))
-            else:                               # the gate waits: all-allowed, nothing to compute
-                self._first_mask(row)
-                done = concurrent.futures.Future()
-                done.set_result(None)
-                self._ahead = (row, done)
+            self._ahead = (row, pool.submit(self._first_mask, row))
 
-    def _drop_ahead(self) -> None:
-        if self._ahead is not None:
-            self._ahead[1].result()
-            self._ahead = None
+    def _drop_ahead(self) -> np.ndarray | None:
+        """Wait for the mask ``prefetch`` started and forget it; returns it (None: none started)."""
+        if self._ahead is None:
+            return None
+        row, future = self._ahead
+        future.result()
+        self._ahead = None
+        return row
 
     def _first_mask(self, row: np.ndarray) -> None:
         """The next position's mask into ``row`` [W] (all-allowed while the gate waits; the opening
@@ -243,10 +241,8 @@ class Constraint:
         Returns how many positions' tokens may stand: ``1 + len(drafts)``, or j when the deadline
         stopped the masks at position j (the later positions are left all-allowed)."""
         rows[:len(drafts) + 1] = ALL
-        if self._ahead is not None:
-            ahead, future = self._ahead
-            future.result()
-            self._ahead = None
+        ahead = self._drop_ahead()
+        if ahead is not None:
             rows[0] = ahead
         else:
             self._first_mask(rows[0])

@@ -386,6 +386,7 @@ class Generator(ProgramSet, Admission):
             for r in late:
                 active[r] = False            # its mask is not ready: it sits this step out
                 self._rows[r].stats["mask_waits"] = self._rows[r].stats.get("mask_waits", 0) + 1
+                del constrained[r]
             if not active.any():
                 return True
         rows = [req if on else None for req, on in zip(self._rows, active)]
@@ -396,7 +397,7 @@ class Generator(ProgramSet, Admission):
         t0 = time.perf_counter()
         try:
             if any(r is not None and r.constraint is not None for r in rows):
-                out = self._masked_step(active, force, cap, np.bool_(want))
+                out = self._masked_step(active, force, cap, np.bool_(want), constrained)
             else:
                 out = self._step_fn(self._state, self._batch, active, force, cap, np.bool_(want))
             self._batch, tokens, counts = out[:3]
@@ -470,12 +471,12 @@ class Generator(ProgramSet, Admission):
             self._fail(req, e, logged=True)
         self._rows, self._batch, self._fill = [None] * self._B, None, None
 
-    def _masked_step(self, active, force, cap, want):
-        """The step split around the host's token bitmasks (``zoo.engine.masked_step``); returns
-        what ``_step_fn`` returns. ``cap`` may be lowered where a row's draft masks ran out of time."""
+    def _masked_step(self, active, force, cap, want, rows: dict):
+        """The step split around the host's token bitmasks (``zoo.engine.masked_step``) for the masked
+        ``rows`` (row -> constraint, ``_constrained``); returns what ``_step_fn`` returns. ``cap``
+        may be lowered where a row's draft masks ran out of time."""
         p = self._masked
         masks = self._masks(self._B, self.k + 1)
-        rows = self._constrained(active)
         if not self.k:
             batch, logits = p.logits(self._state, self._batch, active)      # dispatched, runs meanwhile
             self.mask_schedule.fill(masks, rows)

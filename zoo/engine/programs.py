@@ -168,7 +168,7 @@ class ProgramSet:
         none, force, cap = np.zeros(self._B, bool), np.full(self._B, -1, np.int32), np.ones(self._B, np.int32)
 
         def decode(masked: bool):
-            out = (self._masked_step(none, force, cap, np.bool_(False)) if masked else
+            out = (self._masked_step(none, force, cap, np.bool_(False), {}) if masked else     # no row masked
                    self._step_fn(self._state, self._batch, none, force, cap, np.bool_(False)))
             self._batch = out[0]
             return out

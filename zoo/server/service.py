@@ -351,16 +351,11 @@ class Service:
             grammar = dataclasses.replace(opening, wait=wait + (trigger,), rearm=trigger)
         parser, initial = new_parser()
         self.check_prompt_chars(text + close + prefill + forced)
-        full = text + close + prefill + forced
-        if images:
-            encoded = None
-            ids, ends = self.tokenizer.encode_with_ends(full)
-        else:
-            encoded = self.tokenizer.encode_continuing(full, prior)
-            ids, ends = list(encoded.ids), encoded.ends
-        ids, token_marks, prepared = self.with_images(ids, images, _token_marks(text, ends, marks))
+        encoded = self.tokenizer.encode_continuing(text + close + prefill + forced, None if images else prior)
+        ids, token_marks, prepared = self.with_images(list(encoded.ids), images,
+                                                      _token_marks(text, encoded.ends, marks))
         return ChatPrompt(ids, parser, initial, opens_reasoning=opens, grammar=grammar, new_parser=new_parser,
-                          marks=token_marks, images=tuple(prepared), encoded=encoded)
+                          marks=token_marks, images=tuple(prepared), encoded=None if images else encoded)
 
     # -- generation -------------------------------------------------------------------------------
     def request_options(self, ids: list[int], *, max_tokens: int | None, seed: int | None = None,

@@ -190,11 +190,9 @@ class Tokenizer:
         if self._boundaries is None:
             found = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
                      if t.special and not t.lstrip and not t.rstrip}
-            for token in list(found.values())[:4]:
-                for after in (" y\n z", "y z", "\n\ny"):
-                    if self.encode("x" + token + after) != self.encode("x" + token) + self.encode(after):
-                        found = {}
-            self._boundaries = frozenset(found)
+            alone = all(self.encode("x" + token + after) == self.encode("x" + token) + self.encode(after)
+                        for token in list(found.values())[:4] for after in (" y\n z", "y z", "\n\ny"))
+            self._boundaries = frozenset(found if alone else ())
         return self._boundaries
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
