@@ -79,26 +79,45 @@ def _models(args) -> int:
 
 
 def _inspect(args) -> int:
+    """A checkpoint directory's config.json and safetensors headers, or a GGUF's header (a local file,
+    the first of a split set, or a remote reference): the config and every tensor, no weight read."""
+    import collections
     import dataclasses
 
-    from zoo.api import resolve
     from zoo.models.config import load_config
-    from zoo.sources.safetensors import SafetensorsSource
+    from zoo.sources.remote import is_remote
 
-    path = resolve(args.model)
-    cfg = load_config(path)
-    source = SafetensorsSource(path)
+    rows = []                                                   # (name, type, shape, bytes)
+    if str(args.model).endswith(".gguf") or is_remote(args.model):
+        from zoo.loader.gguf_model import config_from_gguf
+        from zoo.sources.gguf import GGUFSource
+
+        source = GGUFSource(args.model)
+        path, cfg = ", ".join(str(f) for f in source.files), config_from_gguf(source)
+        for key in source.keys():
+            info = source.info(key)
+            rows.append((key, info.qtype.name, list(info.shape), info.nbytes))
+    else:
+        from zoo.loader.open import resolve
+        from zoo.sources.safetensors import SafetensorsSource
+
+        path = resolve(args.model)
+        cfg, source = load_config(path), SafetensorsSource(path)
+        for key in source.keys():
+            info = source.info(key)
+            n = 1
+            for d in info.shape:
+                n *= d
+            rows.append((key, str(info.dtype), list(info.shape), n * info.dtype.itemsize))
     print(json.dumps({"path": str(path), "arch": cfg.arch, "config": dataclasses.asdict(cfg)}, indent=2))
-    total = 0
-    for key in source.keys():
-        info = source.info(key)
-        n = 1
-        for d in info.shape:
-            n *= d
-        total += n * info.dtype.itemsize
-        if args.tensors:
-            print(f"{key:70s} {str(info.dtype):10s} {list(info.shape)}")
-    print(f"{len(source.keys())} tensors, {total / 1e9:.3f} GB")
+    if args.tensors:
+        for name, kind, shape, _ in rows:
+            print(f"{name:70s} {kind:10s} {shape}")
+    by_type = collections.Counter()
+    for _, kind, _, nbytes in rows:
+        by_type[kind] += nbytes
+    print("by type: " + ", ".join(f"{kind} {n / 1e9:.3f} GB" for kind, n in by_type.most_common()))
+    print(f"{len(rows)} tensors, {sum(by_type.values()) / 1e9:.3f} GB")
     return 0
 
 
@@ -127,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=_models)
 
     i = sub.add_parser("inspect", help="show a checkpoint's config and tensors without loading it")
-    i.add_argument("model")
+    i.add_argument("model", help="registry name, checkpoint directory, or .gguf file (local or remote: "
+                                 "hf://OWNER/REPO[@REV]/PATH.gguf, https://...)")
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.set_defaults(fn=_inspect)
 

@@ -10,6 +10,9 @@ tensors of a bank) are stacked through a ``StackedSlices`` view.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+
 import jax
 import numpy as np
 from flax import nnx
@@ -18,6 +21,9 @@ from zoo.quant.storage import dense_store
 from zoo.sharding.placement import full_index, place, source_index
 from zoo.sources.base import SourceError, TensorInfo, WeightSource
 from zoo.sources.names import NameMap, Target, apply_transform
+
+AHEAD_WORKERS = 2                 # threads reading and repacking tensors ahead of the fill (one device)
+AHEAD_BYTES = 512 << 20           # source bytes in flight at most (one tensor at least)
 
 
 class StackedSlices:
@@ -113,6 +119,7 @@ def fill_from_source(abstract: nnx.Module, source: WeightSource, name_map: NameM
         params = {path: var for path, var in params.items() if select(path)}
     filled, unused = set(), []
     sliced: dict[str, tuple[Target, dict[int, str]]] = {}
+    plain: list[tuple[str, Target]] = []
     for key in source.keys():
         if name_map.ignored(key):
             continue
@@ -123,8 +130,15 @@ def fill_from_source(abstract: nnx.Module, source: WeightSource, name_map: NameM
         if hit.index is not None:
             sliced.setdefault(hit.path, (hit, {}))[1][hit.index] = key
             continue
-        _fill(params[hit.path], store, source, key, hit.transform, hit.path, mesh)
-        filled.add(hit.path)
+        plain.append((key, hit))
+    if mesh is None:        # read and repack ahead on worker threads, set in file order
+        for (key, hit), value in _stored_ahead(store, source, plain, params):
+            _set(params[hit.path], value, key, hit.path)
+            filled.add(hit.path)
+    else:
+        for key, hit in plain:
+            _fill(params[hit.path], store, source, key, hit.transform, hit.path, mesh)
+            filled.add(hit.path)
     for path, (target, slices) in sliced.items():
         view = _stacked_view(source, slices, target, params[path].get_value())
         _fill(params[path], store, view, view.name, view.store_transform, path, mesh)
@@ -134,6 +148,39 @@ def fill_from_source(abstract: nnx.Module, source: WeightSource, name_map: NameM
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise SourceError(f"the checkpoint has no tensor for parameter(s): {shown}")
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), unused
+
+
+def _stored_ahead(store, source, items: list[tuple[str, Target]], params: dict):
+    """``((key, target), store(...))`` for each of ``items``, in order, computed up to ``AHEAD_BYTES`` of
+    source tensors ahead on ``AHEAD_WORKERS`` threads (reading releases the GIL, and so do numpy's
+    copies and XLA's dequantization): one core reads while another repacks, and host memory holds at
+    most that window of tensors in flight besides the model. A failure is raised at its tensor."""
+    size = lambda key: int(getattr(source.info(key), "nbytes", 0) or 0)       # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(AHEAD_WORKERS, thread_name_prefix="zoo-fill") as pool:
+        pending: collections.deque = collections.deque()
+        inflight, nxt = 0, 0
+        try:
+            for _ in items:
+                while nxt < len(items) and (not pending or inflight + size(items[nxt][0]) <= AHEAD_BYTES):
+                    key, hit = items[nxt]
+                    want = params[hit.path].get_value()
+                    pending.append((items[nxt], size(key),
+                                    pool.submit(store, source, key, hit.transform, want, hit.path)))
+                    inflight += size(key)
+                    nxt += 1
+                item, nbytes, future = pending.popleft()
+                inflight -= nbytes
+                yield item, future.result()
+        finally:
+            for _, _, future in pending:
+                future.cancel()
+
+
+def _set(var, value, key: str, path: str) -> None:
+    if tuple(value.shape) != tuple(var.get_value().shape):
+        raise SourceError(f"tensor {key!r}: stored shape {tuple(value.shape)} != parameter {path} "
+                          f"shape {var.get_value().shape}")
+    var.set_value(value)
 
 
 def _fill(var, store, source, key: str, transform, path: str, mesh=None) -> None:

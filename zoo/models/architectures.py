@@ -32,6 +32,7 @@ PARTS = {
     "hf_names": "weights:hf_names",         # fn(config) -> NameMap of the HF safetensors checkpoint
     "gguf_names": "weights:gguf_names",     # fn(config) -> NameMap of llama.cpp's GGUF
     "gguf_fields": "gguf_config:hf_fields",  # fn(GGUFSource) -> HF config.json fields
+    "gguf_metadata": "gguf_config:gguf_metadata",  # fn(config) -> GGUF metadata keys (gguf_fields' inverse)
     "inventory": "inventory:tensors",       # fn(config) -> [Tensor] in GGUF names (the planner's)
     "recipes": "recipes:RECIPES",           # {name: Recipe}: this architecture's own recipes
 }

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 from zoo.formats import planes as P
 from zoo.formats.dequant import dequantize_jnp
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType, qtype_of
+from zoo.formats.host_arrays import to_device
 from zoo.kernels import dispatch
 from zoo.ops.matmul import register_matmul
 from zoo.ops.moe import register_moe
@@ -69,7 +70,7 @@ class QArray:
         layout = BLOCK_LAYOUTS[qtype]
         *lead, d_out, row_bytes = data.shape
         d_in = row_bytes // layout.type_size * layout.block_size
-        planes = {k: jnp.asarray(v) for k, v in P.to_planes(np.asarray(data), qtype, in_splits).items()}
+        planes = {k: to_device(v) for k, v in P.to_planes(np.asarray(data), qtype, in_splits).items()}
         return cls(planes, qtype, (*lead, d_in, d_out), in_order, in_splits=in_splits)
 
     # -- properties ---------------------------------------------------------------------------------

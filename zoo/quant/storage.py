@@ -24,17 +24,24 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from gguf import quants as gq
 
-from zoo.formats.dequant import dequantize
+from zoo.formats.dequant import dequantize, dequantize_as
 from zoo.formats.ggml import BLOCK_LAYOUTS, QType
+from zoo.formats.host_arrays import aligned_empty, to_device
 from zoo.quant.qarray import QArray
 from zoo.sources.base import SourceError
 from zoo.sources.names import Transform, apply_transform, layout_transform
 
 Store = Callable[..., "jax.Array | QArray"]
+
+
+def cast(array: np.ndarray, dtype) -> np.ndarray:
+    """``array.astype(dtype)`` into an aligned array (``to_device`` then takes it without a copy)."""
+    out = aligned_empty(array.shape, dtype)
+    np.copyto(out, array, casting="unsafe")
+    return out
 
 
 def _is_quantized(info) -> bool:
@@ -58,10 +65,12 @@ def dense_value(source, key: str, transform, want, path: str) -> jax.Array:
     """The tensor as a dense array in the parameter dtype (quantized types dequantized bit-exactly)."""
     info = source.info(key)
     array = source.read(key)
+    if _is_quantized(info) and transform is None:         # straight to the dtype, a chunk at a time
+        return to_device(_check(dequantize_as(array, info.qtype, want.dtype), source, key, want, path, transform))
     if _is_quantized(info):
         array = dequantize(array, info.qtype)
     array = _check(apply_transform(transform, array), source, key, want, path, transform)
-    return jnp.asarray(array.astype(want.dtype))
+    return to_device(cast(array, want.dtype))
 
 
 def qarray_value(source, key: str, transform, want, path: str, data=None, qtype=None) -> QArray:
@@ -128,4 +137,4 @@ def dense_store(source, key: str, transform: str | None, want: jax.ShapeDtypeStr
     if array.shape != want.shape:
         raise SourceError(f"tensor {key!r} has shape {tuple(source.info(key).shape)}; parameter "
                           f"{path} needs {want.shape} (after layout transform {transform!r})")
-    return jnp.asarray(array.astype(want.dtype))
+    return to_device(cast(array, want.dtype))

@@ -16,10 +16,9 @@ axes only (one expert, a range of rows), and only those bytes are touched.
 Split sets (``name-00001-of-00003.gguf``, as written by ``gguf-split`` and ``GGUFWriter``): any
 shard opens the whole set; the metadata is the first shard's. A remote reference
 (``hf://OWNER/REPO[@REV]/PATH.gguf`` or an ``https://`` URL, ``zoo.sources.remote``) is read with HTTP
-range requests: the headers when it opens, then the bytes each ``read`` touches. Every header is validated by
-``check_header`` before ``gguf.GGUFReader`` parses it, so corrupt or truncated files raise
-``SourceError`` naming the file (and the tensor or key) instead of crashing or hanging the
-reader (which loops forever on an array whose length runs past the end of the file).
+range requests: the headers when it opens, then the bytes each ``read`` touches. Every header is parsed and
+validated by ``parse_header`` (``zoo.sources.gguf_header``), so corrupt or truncated files raise
+``SourceError`` naming the file (and the tensor or key), and opening a file reads its header's bytes only.
 """
 
 from __future__ import annotations
@@ -30,12 +29,12 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 
 from zoo.formats.ggml import QType
+from zoo.formats.host_arrays import read_into
 from zoo.sources.base import SourceError
-from zoo.sources.gguf_header import SPLIT_KEYS, SPLIT_NAME, check_header
+from zoo.sources.gguf_header import SPLIT_KEYS, SPLIT_NAME, parse_header
 from zoo.sources.remote import RemoteGGUF, is_remote
 
 FLOAT_DTYPES = {QType.F32: np.dtype(np.float32), QType.F16: np.dtype(np.float16),
@@ -87,44 +86,31 @@ def shard_paths(path: Path) -> list[Path]:
     return paths
 
 
-def _read_metadata(path: Path, reader: GGUFReader) -> dict[str, Any]:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except (UnicodeDecodeError, ValueError, IndexError) as e:
-            raise SourceError(f"{path}: metadata key {key!r} cannot be read ({e})") from None
-    return meta
-
-
 def _open_shard(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
-    """Validate and parse one file -> (metadata, {name: info})."""
+    """Validate and parse one file's header (``parse_header``) -> (metadata, {name: info})."""
     if not path.is_file():
         raise SourceError(f"{path}: no such GGUF file")
     if path.stat().st_size == 0:
         raise SourceError(f"{path}: empty file, not a GGUF file")
     mm = np.memmap(path, mode="r")
     try:
-        check_header(path, memoryview(mm))
+        header = parse_header(path, memoryview(mm))
     finally:
         del mm
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, KeyError, IndexError, OverflowError) as e:  # not expected after check_header
-        raise SourceError(f"{path}: GGUF header rejected by gguf's reader ({e})") from None
-    tensors = {}
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensors[t.name] = GGUFTensorInfo(t.tensor_type, shape, path, int(t.data_offset), int(t.n_bytes))
-    return _read_metadata(path, reader), tensors
+    tensors = {t.name: GGUFTensorInfo(t.qtype, tuple(int(d) for d in reversed(t.ne)), path, t.offset, t.nbytes)
+               for t in header.tensors}
+    return header.metadata, tensors
+
+
+def _basic(index: tuple) -> bool:
+    """``index`` is ints, slices and ``...`` only (a view, no gather)."""
+    return all(isinstance(i, (int, np.integer, slice)) or i is Ellipsis for i in index)
 
 
 def _touched(array: np.ndarray, index: tuple) -> tuple[int, int]:
     """Byte range [lo, hi) of ``array`` (a view from its first byte) that ``array[index]`` reads:
     exact for ints and slices, the whole array for other (advanced) indices."""
-    if not all(isinstance(i, (int, np.integer, slice)) or i is Ellipsis for i in index):
+    if not _basic(index):
         return 0, array.nbytes
     view = array[index]
     if view.size == 0:
@@ -181,7 +167,9 @@ class GGUFSource:
             raise SourceError(f"no tensor {key!r} in {', '.join(str(f) for f in self.files)}") from None
 
     def read(self, key: str, index=()) -> np.ndarray:
-        """``tensor[index]`` in numpy order, copied out of the memory map (see the module docstring)."""
+        """``tensor[index]`` in numpy order (see the module docstring): a selection that is one byte range
+        is read with ``os.preadv`` into an aligned buffer (``zoo.formats.host_arrays``), any other is
+        copied out of the memory map."""
         info = self.info(key)
         index = index if isinstance(index, tuple) else (index,)
         if len(index) >= len(info.shape) and info.quantized:
@@ -192,12 +180,18 @@ class GGUFSource:
         mm = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
         array = mm.view(info.dtype).reshape(info.stored_shape)
         try:
-            if self.remote is not None:
-                lo, hi = _touched(array, index)
-                self.remote.ensure(info.file, info.offset + lo, info.offset + hi)
-            return np.array(array[index])
+            view = array[index]
+            lo, hi = _touched(array, index)
         except IndexError as e:
             raise SourceError(f"{info.file}: tensor {key!r} of shape {info.shape}: bad index {index} ({e})") from None
+        if self.remote is not None:
+            self.remote.ensure(info.file, info.offset + lo, info.offset + hi)
+        elif _basic(index) and view.flags.c_contiguous and view.nbytes == hi - lo and view.nbytes:   # one range
+            try:
+                return read_into(info.file, info.offset + lo, hi - lo).view(info.dtype).reshape(view.shape)
+            except OSError as e:
+                raise SourceError(f"{info.file}: tensor {key!r}: {e}") from None
+        return np.array(view)
 
     # -- metadata -------------------------------------------------------------------------------
     def arch_value(self, name: str, default: Any = ...) -> Any:

@@ -73,6 +73,60 @@ def hf_fields(src: GGUFSource) -> dict[str, Any]:
     }
 
 
+def gguf_metadata(cfg) -> dict[str, Any]:
+    """The inverse of ``hf_fields``: a text config -> its ``glm5-next`` metadata keys (without the arch
+    prefix), as llama.cpp's converter writes them (``zoo.tools.synthetic_gguf`` writes these). The
+    per-layer arrays cover the MTP block too (an MLA layer with a full indexer, as the converter writes it)."""
+    n_mtp = int(cfg.mtp_num_hidden_layers)
+    n = cfg.num_hidden_layers + n_mtp
+    mla = [t != "linear_attention" for t in cfg.layer_types] + [True] * n_mtp
+    clamp = [float(cfg.swiglu_limit or 0.0)] * n
+    out = {
+        "block_count": n,
+        "nextn_predict_layers": n_mtp,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "expert_feed_forward_length": cfg.moe_intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": [1 if m else 0 for m in mla],
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "leading_dense_block_count": next((i for i, t in enumerate(cfg.mlp_layer_types) if t != "dense"),
+                                          cfg.num_hidden_layers),
+        "expert_count": cfg.n_routed_experts,
+        "expert_shared_count": cfg.n_shared_experts,
+        "expert_used_count": cfg.num_experts_per_tok,
+        "expert_group_count": cfg.n_group,
+        "expert_group_used_count": cfg.topk_group,
+        "expert_weights_scale": float(cfg.routed_scaling_factor),
+        "expert_weights_norm": bool(cfg.norm_topk_prob),
+        "swiglu_clamp_exp": clamp,
+        "swiglu_clamp_shexp": clamp,
+        "attention.q_lora_rank": cfg.q_lora_rank,
+        "attention.kv_lora_rank": cfg.kv_lora_rank,
+        "rope.dimension_count": 0,
+        "attention.key_length_mla": cfg.qk_nope_head_dim,
+        "attention.value_length_mla": cfg.v_head_dim,
+        "attention.key_length": cfg.kv_lora_rank,
+        "attention.value_length": cfg.kv_lora_rank,
+        "attention.indexer.types": [t == "full" for t in cfg.indexer_types] + [True] * n_mtp,
+        "attention.indexer.top_k": cfg.index_topk,
+        "attention.indexer.key_length": cfg.index_head_dim,
+        "attention.indexer.head_count": cfg.index_n_heads,
+        "attention.indexer.kpool": cfg.index_kpool,
+        "attention.indexer.kpool_select_tail": bool(cfg.index_kpool_always_select_tail),
+        "kda.head_dim": cfg.linear_head_dim,
+        "ssm.conv_kernel": cfg.linear_conv_kernel_dim,
+        "hyper_connection.count": cfg.hc_mult,
+        "hyper_connection.sinkhorn_iterations": cfg.hc_sinkhorn_iters,
+        "hyper_connection.epsilon": float(cfg.hc_eps),
+        "vocab_size": cfg.vocab_size,
+    }
+    if cfg.linear_lower_bound is not None:
+        out["kda.gate_lower_bound"] = float(cfg.linear_lower_bound)
+    return out
+
+
 # -- the vision tower from a llama.cpp mmproj (``zoo.loader.mmproj``) --------------------------------
 
 # ``clip.projector_type`` of the GLM-5.3 tower: "glm5v" (llama.cpp's Glm5NextVisionModel, PR #27773 and

@@ -49,6 +49,34 @@ def hf_fields(src: GGUFSource) -> dict[str, Any]:
     }
 
 
+def gguf_metadata(cfg) -> dict[str, Any]:
+    """The inverse of ``hf_fields``: a text config -> its ``qwen35`` metadata keys (without the arch
+    prefix), as llama.cpp's converter writes them (``zoo.tools.synthetic_gguf`` writes these)."""
+    n_mtp = int(cfg.mtp_num_hidden_layers)
+    return {
+        "block_count": cfg.num_hidden_layers + n_mtp,
+        "nextn_predict_layers": n_mtp,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "rope.dimension_sections": [*cfg.mrope_section, 0],
+        "rope.freq_base": float(cfg.rope_theta),
+        "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        "attention.key_length": cfg.head_dim,
+        "attention.value_length": cfg.head_dim,
+        "ssm.conv_kernel": cfg.linear_conv_kernel_dim,
+        "ssm.state_size": cfg.linear_key_head_dim,
+        "ssm.group_count": cfg.linear_num_key_heads,
+        "ssm.time_step_rank": cfg.linear_num_value_heads,
+        "ssm.inner_size": cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+        "attention.recurrent_layers": [t == "linear_attention" for t in cfg.layer_types] + [False] * n_mtp,
+        "full_attention_interval": next((i + 1 for i, t in enumerate(cfg.layer_types) if t == "full_attention"), 4),
+        "rope.dimension_count": round(cfg.partial_rotary_factor * cfg.head_dim),
+    }
+
+
 # -- the vision tower from a llama.cpp mmproj (``zoo.loader.mmproj``) --------------------------------
 
 MMPROJ_PROJECTORS = ("qwen3vl_merger",)     # ``clip.projector_type`` of convert_hf_to_gguf's Qwen3-VL tower

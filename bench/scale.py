@@ -1,0 +1,187 @@
+"""Full size on one host: a synthetic GGUF of a real model's config (``zoo.tools.synthetic_gguf``),
+then what a user does with it, each step in its own process, cold (the page cache dropped first
+where this user may; else every figure says "warm"), each with its baseline measured in the same run:
+
+    write           the synthetic file (skipped when it exists: --reuse)
+    raw read        a sequential read of the GGUF (the baseline of the load)
+    inspect, plan   ``zoo inspect`` / ``zoo plan`` on the file (time, peak RSS)
+    load            ``zoo.load(FILE)``: time / raw read, peak RSS / the file's bytes
+    generate        ``--tokens`` greedy tokens after the load: time to the first token, time per token
+    cache build     ``zoo cache build FILE --dir D``: time, peak RSS, the entry's bytes
+    cache raw read  a sequential read of the entry (the baseline of the restore)
+    restore         ``zoo.load(FILE, cache=D)``: time / the cache's raw read
+
+    python bench/scale.py --model qwen38-27b                   # the whole 12.9 GB model
+    python bench/scale.py --model glm53-flash --layers 4       # four full-width layers of GLM-5.3-Flash
+    python bench/scale.py --model qwen38-27b --layers 4 --vocab 4096 --tokens 2    # a quick run
+
+Prints one line per step and a JSON summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CHUNK = 64 << 20
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only); False when this user may not (the next step runs warm)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_read(paths: list[Path]) -> dict:
+    """Read ``paths`` sequentially, 64 MiB at a time: seconds and bytes."""
+    cold = drop_caches()
+    buf = bytearray(CHUNK)
+    view, total, t0 = memoryview(buf), 0, time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return {"seconds": time.perf_counter() - t0, "bytes": total, "cold": cold}
+
+
+def files_under(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def child(step: str, args: dict) -> dict:
+    """Run ``step`` in a fresh process (``--child``), cold; its JSON line, with its peak RSS."""
+    cold = drop_caches()
+    out = subprocess.run([sys.executable, __file__, "--child", step, json.dumps(args)], capture_output=True,
+                         text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    if out.returncode != 0:
+        raise SystemExit(f"{step} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {**result, "cold": cold}
+
+
+def run_child(step: str, args: dict) -> dict:
+    t0 = time.perf_counter()
+    out: dict = {}
+    if step in ("inspect", "plan"):
+        import contextlib
+        import io
+
+        from zoo.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = main([step, args["path"]])
+        if code:
+            raise SystemExit(code)
+    elif step in ("load", "restore"):
+        import numpy as np
+
+        import zoo
+        model = zoo.load(args["path"], cache=args.get("cache"))
+        out["load_s"] = time.perf_counter() - t0
+        out["load_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # before any program
+        out["load_info"] = {k: v for k, v in model.load_info.items() if k in ("source", "seconds")}
+        if args.get("tokens"):
+            gen = model.generator()
+            times = []
+            req = gen.submit(gen.make_request([1, 2, 3, 4, 5, 6, 7, 8], max_new_tokens=args["tokens"],
+                                              on_tokens=lambda r, new: times.append(time.perf_counter())))
+            t1 = time.perf_counter()
+            while not req.done.is_set():
+                gen.step()
+            if req.finish_reason == "error":
+                raise SystemExit(f"generation failed: {req.stats.get('error')}")
+            out["tokens"] = list(req.tokens)
+            out["first_token_s"] = times[0] - t1
+            out["per_token_s"] = float(np.mean(np.diff(times))) if len(times) > 1 else None
+    elif step == "build":
+        import contextlib
+        import io
+
+        from zoo.cli import main
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            code = main(["cache", "build", args["path"], "--dir", args["cache"]])
+        if code:
+            raise SystemExit(code)
+        out["entry"] = json.loads(text.getvalue().strip().splitlines()[-1])["cache_path"]
+    else:
+        raise SystemExit(f"unknown step {step}")
+    out["seconds"] = time.perf_counter() - t0
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen38-27b")
+    p.add_argument("--layers", type=int, default=None, help="keep this many full-width layers (every kind)")
+    p.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary")
+    p.add_argument("--tokens", type=int, default=4, help="greedy tokens to generate after the load (0: none)")
+    p.add_argument("--dir", default="/tmp/zoo-scale", help="where the file and the cache go")
+    p.add_argument("--reuse", action="store_true", help="keep an existing synthetic file")
+    p.add_argument("--skip", nargs="*", default=[], choices=["cache"], help="steps to leave out")
+    a = p.parse_args()
+
+    from zoo.tools.synthetic_gguf import write_synthetic_gguf
+
+    root = Path(a.dir)
+    suffix = "" if a.layers is None else f"-{a.layers}L"
+    suffix += "" if a.vocab is None else f"-v{a.vocab}"
+    path = root / f"{a.model}{suffix}-synthetic.gguf"
+    report: dict = {"model": a.model, "layers": a.layers, "vocab": a.vocab, "path": str(path)}
+
+    def say(name: str, text: str, **fields) -> None:
+        report[name] = fields
+        print(f"{name:15s} {text}", flush=True)
+
+    if not (a.reuse and path.exists()):
+        t0 = time.perf_counter()
+        write_synthetic_gguf(path, a.model, layers=a.layers, vocab=a.vocab)
+        say("write", f"{time.perf_counter() - t0:.1f} s", seconds=time.perf_counter() - t0)
+    size = path.stat().st_size
+    raw = raw_read([path])
+    mbs = size / raw["seconds"] / 1e6
+    state = "cold" if raw["cold"] else "warm"
+    say("raw read", f"{raw['seconds']:.1f} s for {size / 1e9:.2f} GB ({mbs:.0f} MB/s, {state})", **raw)
+    for tool in ("inspect", "plan"):
+        r = child(tool, {"path": str(path)})
+        say(tool, f"{r['seconds']:.2f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB", **r)
+    r = child("load", {"path": str(path), "tokens": a.tokens})
+    gen = "" if not a.tokens else (f"; first token {r['first_token_s']:.1f} s, "
+                                   f"{r['per_token_s'] or 0:.1f} s/token, tokens {r['tokens']}")
+    say("load", f"{r['load_s']:.1f} s = {r['load_s'] / raw['seconds']:.2f}x the raw read; peak RSS "
+                f"{r['load_peak_rss'] / 2**30:.2f} GiB = {r['load_peak_rss'] / size:.2f}x the file (with "
+                f"generation {r['peak_rss'] / 2**30:.2f} GiB){gen}",
+        ratio=r["load_s"] / raw["seconds"], rss_ratio=r["load_peak_rss"] / size, **r)
+    if "cache" not in a.skip:
+        cache = root / f"cache{suffix}"
+        subprocess.run(["rm", "-rf", str(cache)], check=True)
+        r = child("build", {"path": str(path), "cache": str(cache)})
+        entry = Path(r["entry"])
+        cache_bytes = sum(f.stat().st_size for f in files_under(entry))
+        say("cache build", f"{r['seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB, "
+                           f"{cache_bytes / 1e9:.2f} GB", bytes=cache_bytes, **r)
+        craw = raw_read(files_under(entry))
+        say("cache raw", f"{craw['seconds']:.1f} s ({cache_bytes / craw['seconds'] / 1e6:.0f} MB/s"
+                         f"{', cold' if craw['cold'] else ', warm'})", **craw)
+        r = child("restore", {"path": str(path), "cache": str(cache)})
+        say("restore", f"{r['load_s']:.1f} s = {r['load_s'] / craw['seconds']:.2f}x the cache's raw read; "
+                       f"peak RSS {r['load_peak_rss'] / 2**30:.2f} GiB", ratio=r["load_s"] / craw["seconds"], **r)
+    print(json.dumps(report, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        print(json.dumps(run_child(sys.argv[2], json.loads(sys.argv[3])), default=str))
+        sys.exit(0)
+    sys.exit(main())
