@@ -207,7 +207,8 @@ def _engine_args(args) -> dict:
     """The settings that must be equal in every process's engine (``Generator``'s), resolved here."""
     host_gb = args.prefix_cache_host_gb
     if host_gb is None:                                  # the default depends on this host's RAM
-        host_gb = 0.1 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        from zoo.engine.rows import default_host_tier
+        host_gb = default_host_tier() / 2**30
     return {"spec_tokens": args.spec, "max_batch": args.max_batch, "context": args.context,
             "prefill_chunk": args.prefill_chunk, "prefix_cache": args.prefix_cache_gb,
             "prefix_cache_host_gb": host_gb, "max_image_tokens": args.max_image_tokens}

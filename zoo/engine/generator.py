@@ -78,7 +78,6 @@ import collections
 import functools
 import inspect
 import logging
-import os
 import threading
 import time
 from typing import Iterator, Sequence
@@ -102,7 +101,7 @@ from zoo.engine.prefix_cache import PrefixCache, token_strides
 from zoo.engine.prefix_rows import PrefixRows
 from zoo.engine.programs import ProgramSet
 from zoo.engine.request import Generation, ImageInput, Request
-from zoo.engine.rows import default_memory_budget, first_token, place
+from zoo.engine.rows import default_host_tier, default_memory_budget, first_token, place
 from zoo.engine.sampling import flag_nonfinite, row_keys
 from zoo.engine.thinking_budget import ThinkingBudget
 from zoo.sharding.cache_axes import shard_cache
@@ -129,9 +128,9 @@ class Generator(ProgramSet, Admission):
         tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the model's positions if
         fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
         the model's identity), its device budget in GiB (0: no prefix caching), or None for the default (a
-        quarter of ``memory_budget``); ``prefix_cache_host_gb``: the host-RAM tier (None: a tenth of host
-        RAM); ``prefix_block``: tokens per cached block (a power of two dividing ``CACHE_BUCKET``);
-        ``max_image_tokens``: merged rows per image at most (``image_prefill.image_buckets``)."""
+        quarter of ``memory_budget``); ``prefix_cache_host_gb``: the host-RAM tier (None:
+        ``rows.default_host_tier``); ``prefix_block``: tokens per cached block (a power of two dividing
+        ``CACHE_BUCKET``); ``max_image_tokens``: merged rows per image at most (``image_prefill.image_buckets``)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
@@ -188,8 +187,7 @@ class Generator(ProgramSet, Admission):
     def _init_prefix_cache(self, prefix, host_gb, block) -> None:
         if prefix is None or isinstance(prefix, (int, float)):
             device = int(0.25 * self.memory_budget) if prefix is None else int(float(prefix) * 2**30)
-            host = (int(0.1 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if host_gb is None
-                    else int(float(host_gb) * 2**30))
+            host = default_host_tier() if host_gb is None else int(float(host_gb) * 2**30)
             prefix = PrefixCache(device, host, block) if device > 0 else None
         self.prefix = prefix
         if prefix is None:

@@ -19,14 +19,37 @@ from zoo.engine.sampling import row_keys, sample
 from zoo.engine.token_mask import apply_token_mask
 
 
+def host_available() -> int:
+    """Host RAM the kernel could hand out now (``MemAvailable``; free pages where that is unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def default_host_tier() -> int:
+    """Bytes of the prefix cache's host-RAM tier when none is given: a tenth of host RAM, at most a
+    fifth of what is available now (on a CPU host the loaded weights are in that RAM too)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(0.1 * total, 0.2 * host_available()))
+
+
 def default_memory_budget() -> int:
-    """Bytes the caches may use: 80% of the free accelerator memory, or a quarter of host RAM; with
-    several processes the least of theirs (admission decides alike in every process)."""
+    """Bytes the caches may use: 80% of the free accelerator memory; on a host without one (the CPU
+    backend, where the weights are in host RAM too) a quarter of host RAM, but at most 40% of what is
+    still available once the model is loaded (the programs' temporaries need the rest: a 12.9 GB
+    Qwen3.8-27B on a 24 GiB host got 16 rows of 4k, 7 GB, and was killed). With several processes the
+    least of theirs (admission decides alike in every process)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         budget = int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
     else:
-        budget = int(0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = int(min(0.25 * total, 0.4 * host_available()))
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
