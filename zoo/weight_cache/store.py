@@ -68,6 +68,7 @@ import numpy as np
 
 from zoo import registry
 from zoo.formats import planes
+from zoo.formats.host_arrays import aligned_empty
 from zoo.models.architectures import ARCHITECTURES
 from zoo.sharding.mesh import value_specs
 from zoo.text.tokenizer import Tokenizer
@@ -271,6 +272,40 @@ def host_digest(a: np.ndarray) -> int:
     starts = range(0, len(data), _DIGEST_CHUNK)
     crcs = list(_digest_pool().map(lambda i: zlib.crc32(data[i:i + _DIGEST_CHUNK]), starts))
     return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), len(data) & 0xFFFFFFFF)
+
+
+def host_digest_copy(a: np.ndarray) -> tuple[int, np.ndarray]:
+    """``host_digest(a)`` and a copy of ``a`` in an aligned buffer (``zoo.formats.host_arrays``) made in
+    the same pass: each thread copies a 16 MiB chunk and hashes the copy while it is in cache, so the
+    restored bytes are read from memory once, and the copy becomes the device buffer on the CPU
+    backend without another copy."""
+    src = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    out = aligned_empty(src.shape, np.uint8)
+
+    def chunk(i: int) -> int:
+        np.copyto(out[i:i + _DIGEST_CHUNK], src[i:i + _DIGEST_CHUNK])
+        return zlib.crc32(memoryview(out[i:i + _DIGEST_CHUNK]))
+
+    crcs = list(_digest_pool().map(chunk, range(0, len(src), _DIGEST_CHUNK)))
+    digest = zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), len(src) & 0xFFFFFFFF)
+    return digest, out.view(a.dtype).reshape(a.shape)
+
+
+def _digest_copying(arrays: dict[str, Any]):
+    """``(digest, copies)``: a digest function for ``shard_digests.verify`` that, for a leaf checked
+    whole, also keeps its aligned copy (``host_digest_copy``) in ``copies`` under (address, bytes);
+    a shard's record (a cache saved split over devices) is hashed in place."""
+    whole = {(a.ctypes.data, a.nbytes) for a in arrays.values() if isinstance(a, np.ndarray)}
+    copies: dict[tuple[int, int], np.ndarray] = {}
+
+    def digest(block: np.ndarray) -> int:
+        key = (block.ctypes.data, block.nbytes)
+        if key not in whole or key in copies:
+            return host_digest(block)
+        value, copies[key] = host_digest_copy(block)
+        return value
+
+    return digest, copies
 
 
 def group_records(arrays: dict[str, Any]) -> dict[str, list]:
@@ -537,6 +572,27 @@ def verify(entry: Path, progress: bool = True) -> dict:
     return manifest
 
 
+def _read_ahead(ckptr, entry: Path, targets: dict[str, dict], files: dict[str, int]):
+    """``(group, target, arrays)`` for each group in order, the next group read on a worker thread
+    while the caller checks and places this one (tensorstore's reads, zlib's CRC-32s and the copies
+    release the GIL): reading overlaps the digests instead of waiting for them. At most two groups
+    are in host memory at once. One process only; with several, each read is a collective (the
+    groups are read in turn)."""
+    groups = list(targets.items())
+    if jax.process_count() > 1:
+        for group, target in groups:
+            yield group, target, _read_group(ckptr, entry, group, target, files)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="zoo-restore") as pool:
+        read = lambda i: pool.submit(_read_group, ckptr, entry, groups[i][0], groups[i][1], files)   # noqa: E731
+        ahead = read(0) if groups else None
+        for i, (group, target) in enumerate(groups):
+            arrays = ahead.result()
+            ahead = read(i + 1) if i + 1 < len(groups) else None
+            yield group, target, arrays
+            del arrays
+
+
 def restore(entry: Path, mesh=None, dtype=None):
     """Rebuild the model from a cache entry, each leaf placed on its sharding on ``mesh`` (or the
     default device). Returns (module, config, tokenizer)."""
@@ -568,15 +624,16 @@ def restore(entry: Path, mesh=None, dtype=None):
             group[str(rec["first"] + i)] = leaf
     ckptr = _checkpointer()
     restored = {}
-    for group, target in _progress(targets.items(), "zoo cache restore", len(targets)):
-        arrays = _read_group(ckptr, entry, group, target, manifest["files"])
-        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), host_digest)
+    for group, target, arrays in _progress(_read_ahead(ckptr, entry, targets, manifest["files"]),
+                                           "zoo cache restore", len(targets)):
+        digest, copies = _digest_copying(arrays)
+        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), digest)
         if bad is not None:
             raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
                              f"at leaf {bad} (corrupted cache)")
-        restored[group] = {k: jax.device_put(a, target[k].sharding) if isinstance(a, np.ndarray) else a
-                           for k, a in arrays.items()}
-        del arrays
+        restored[group] = {k: jax.device_put(copies.get((a.ctypes.data, a.nbytes), a), target[k].sharding)
+                           if isinstance(a, np.ndarray) else a for k, a in arrays.items()}
+        del arrays, copies
     for path, rec in manifest["params"].items():
         leaves = [restored[rec["group"]][str(rec["first"] + i)] for i in range(len(rec["leaves"]))]
         variables[path].set_value(jax.tree.unflatten(jax.tree.structure(rec["_abstract"]), leaves))
