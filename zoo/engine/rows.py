@@ -50,9 +50,10 @@ def default_memory_budget() -> int:
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         budget = int(min(0.25 * total, 0.4 * host_available()))
-    if jax.process_count() > 1:
+    if jax.process_count() > 1:       # in MiB: without jax_enable_x64 the gathered int64 becomes int32
         from jax.experimental import multihost_utils
-        budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+        mib = multihost_utils.process_allgather(np.int32(min(budget >> 20, 2**31 - 1)))
+        budget = int(np.min(mib)) << 20
     return budget
 
 
