@@ -27,22 +27,18 @@ MAX_ARRAY_NESTING = 2
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
 
-_SCALAR_SIZES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-                 GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4,
-                 GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4, GGUFValueType.UINT64: 8,
-                 GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
-# Smallest encoding of one array element of each kind (a string is at least its u64 length, an
-# array at least its u32 type and u64 length): bounds the element count by the bytes left.
-_MIN_SIZES = {**_SCALAR_SIZES, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
-# ggml float types -> numpy dtype of ``read``; every other type is read as its raw blocks.
-# --- header validation ------------------------------------------------------------------------
-
-
 _SCALAR_DTYPES = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.BOOL: "<u1",
                   GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4",
                   GGUFValueType.INT32: "<i4", GGUFValueType.FLOAT32: "<f4", GGUFValueType.UINT64: "<u8",
                   GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8"}
+_SCALAR_SIZES = {t: np.dtype(d).itemsize for t, d in _SCALAR_DTYPES.items()}
+# Smallest encoding of one array element of each kind (a string is at least its u64 length, an
+# array at least its u32 type and u64 length): bounds the element count by the bytes left.
+_MIN_SIZES = {**_SCALAR_SIZES, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
 _U64 = struct.Struct("<Q")
+
+
+# --- header validation ------------------------------------------------------------------------
 
 
 class _Cursor:

@@ -269,9 +269,13 @@ def host_digest(a: np.ndarray) -> int:
     bytes silently, so every restored leaf is checked against the digest recorded at save, on the
     host, before it is placed on a device (no device program to compile, no device-to-host copy)."""
     data = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-    starts = range(0, len(data), _DIGEST_CHUNK)
-    crcs = list(_digest_pool().map(lambda i: zlib.crc32(data[i:i + _DIGEST_CHUNK]), starts))
-    return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), len(data) & 0xFFFFFFFF)
+    return _chunked_crc(len(data), lambda i: zlib.crc32(data[i:i + _DIGEST_CHUNK]))
+
+
+def _chunked_crc(nbytes: int, chunk_crc) -> int:
+    """The digest of ``nbytes`` bytes from ``chunk_crc(start)`` of each 16 MiB chunk, run on the pool."""
+    crcs = list(_digest_pool().map(chunk_crc, range(0, nbytes, _DIGEST_CHUNK)))
+    return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), nbytes & 0xFFFFFFFF)
 
 
 def host_digest_copy(a: np.ndarray) -> tuple[int, np.ndarray]:
@@ -286,9 +290,7 @@ def host_digest_copy(a: np.ndarray) -> tuple[int, np.ndarray]:
         np.copyto(out[i:i + _DIGEST_CHUNK], src[i:i + _DIGEST_CHUNK])
         return zlib.crc32(memoryview(out[i:i + _DIGEST_CHUNK]))
 
-    crcs = list(_digest_pool().map(chunk, range(0, len(src), _DIGEST_CHUNK)))
-    digest = zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), len(src) & 0xFFFFFFFF)
-    return digest, out.view(a.dtype).reshape(a.shape)
+    return _chunked_crc(len(src), chunk), out.view(a.dtype).reshape(a.shape)
 
 
 def _digest_copying(arrays: dict[str, Any]):
