@@ -40,7 +40,9 @@ case "$job" in
     install -e '.[dev]'
     .venv/bin/ruff check . || { echo "lint failed (ruff; settings in pyproject.toml)" >&2; exit 1; }
     set +e
-    .venv/bin/python -m pytest -n 2 --dist loadfile -q --durations=15 "$@"
+    # --no-loadscope-reorder: the files run in the order tests/conftest.py gives (heaviest first); xdist
+    # would otherwise sort them by their number of tests, and the long multi-process files ran last
+    .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q --durations=15 "$@"
     rc=$?
     [ "$rc" -eq 5 ] && { echo "no tests were collected" >&2; exit 1; }
     exit "$rc" ;;

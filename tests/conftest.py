@@ -30,8 +30,10 @@ def audit_files(tmp_path_factory):
 # The heaviest files first: with ``--dist loadfile`` each xdist worker takes the next file when it
 # finishes one, so long files started early keep both workers busy to the end, while the short ones
 # fill in last (in collection order, the sharding files came near the end and one worker finished
-# minutes before the other). Seconds per file on 2 cores in a whole run, measured 2026-12-04. The
-# other multi-process file comes after them, when test_multihost is long done: two multi-process
+# minutes before the other). ``scripts/bootstrap.sh`` passes ``--no-loadscope-reorder``: without it
+# xdist sorts the files by their number of tests, which put the long multi-process files and the
+# notebooks (few tests each) last. Seconds per file on 2 cores in a whole run, measured 2026-12-04.
+# The other multi-process file comes after them, when test_multihost is long done: two multi-process
 # jobs at once (4 JAX processes and their gloo collectives on 2 cores) took 2-3x as long as either
 # alone.
 HEAVY_FIRST = [
@@ -45,6 +47,13 @@ HEAVY_FIRST = [
     "tests/weight_cache/test_build.py",              # ~130
     "tests/engine/test_images_compile_once.py",      # ~120
     "tests/engine/test_interleave.py",               # ~120
+    "tests/server/test_agent_clients.py",            # ~96 (junit, 2026-12-05)
+    "tests/kernels/test_decode.py",                  # ~89
+    "tests/train/test_fit_mtp.py",                   # ~87
+    "tests/kernels/test_model.py",                   # ~86
+    "tests/engine/test_generator_images.py",         # ~77
+    "tests/server/test_structured.py",               # ~74
+    "tests/test_demo_models.py",                     # ~64
     "tests/sharding/test_multihost_serve.py",        # ~110 alone, ~300 beside test_multihost
 ]
 

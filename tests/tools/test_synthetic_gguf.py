@@ -26,8 +26,13 @@ GLM = dict(name="glm53-flash", layers=3, vocab=4096, overrides={"n_routed_expert
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
+    """The two files (2.0 GB together), deleted when the module is done: the suite's disk footprint
+    stays small on a machine with little free space."""
     root = tmp_path_factory.mktemp("synthetic")
-    return {spec["name"]: write_synthetic_gguf(root / f"{spec['name']}.gguf", **spec) for spec in (QWEN, GLM)}
+    paths = {spec["name"]: write_synthetic_gguf(root / f"{spec['name']}.gguf", **spec) for spec in (QWEN, GLM)}
+    yield paths
+    for path in paths.values():
+        path.unlink(missing_ok=True)
 
 
 def cli(*argv) -> tuple[int, str]:
