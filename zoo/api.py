@@ -188,11 +188,13 @@ class Model:
             raise ValueError("mtp_logits needs at least 2 tokens per row")
         return host_value(self._mtp_fn(self._state, ids, mask)).astype(np.float32)
 
-    def generator(self, spec_tokens: int = 0):
-        """The continuous-batching ``Generator`` for this model (one per draft length)."""
-        if spec_tokens not in self._generators:
-            self._generators[spec_tokens] = Generator(self, spec_tokens=spec_tokens)
-        return self._generators[spec_tokens]
+    def generator(self, spec_tokens: int = 0, spec_policy: str = "fixed"):
+        """The continuous-batching ``Generator`` for this model (one per draft length and speculation
+        policy: "fixed" drafts ``spec_tokens`` every step, "auto" chooses per step, ``zoo.engine.spec_policy``)."""
+        key = (spec_tokens, spec_policy if spec_tokens else None)
+        if key not in self._generators:
+            self._generators[key] = Generator(self, spec_tokens=spec_tokens, spec_policy=spec_policy)
+        return self._generators[key]
 
     def generate(self, input_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, stop=None, spec_tokens: int = 0, logprobs: int | None = None,

@@ -4,7 +4,10 @@ The app on the embedded tiny model with MTP drafts compiles its programs before 
 (``/health``: 503 "warming up" until then); afterwards a scripted mix through both SDKs
 (prompts from 1 token to near the context, logprobs 0..20, json_object / json_schema / regex
 outputs, tool calls, ``n`` choices, stop strings, a thinking budget, a stream the client drops,
-prompt logprobs, prefix-cache hits from the device and from host RAM) compiles zero programs.
+prompt logprobs, prefix-cache hits from the device and from host RAM, a second turn whose answer
+re-emits the first's, the Responses API) compiles zero programs: the auto speculation policy's two
+decode programs (drafts, drafts off) and its per-row plans included. ``/metrics`` then counts drafts
+by source and position, the chosen draft lengths, inter-token latency and the ``/v1/responses`` route.
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ def test_the_server_warms_up_before_it_serves(server):
     assert [p[2] for p in progress] == list(range(1, len(progress) + 1)) and progress[-1][3] == len(progress)
     assert {"prefill width=256", "prefill width=16"} <= set(names)
     assert any(n.startswith("decode MTP k=2") for n in names) and "decode with token masks" in names
+    assert "decode MTP drafts off" in names      # the auto speculation policy's other decode program
     gen = app.state.service.engine.generator
-    assert len(gen.program_set()) == 3           # the whole-model programs: decode, two prefill widths
+    assert len(gen.program_set()) == 4           # the whole-model programs: decode with and without drafts,
+                                                 # two prefill widths
 
 
 def test_a_warmed_server_compiles_nothing_for_any_request_mix(server):
@@ -85,6 +90,11 @@ def test_a_warmed_server_compiles_nothing_for_any_request_mix(server):
         chat("Two", n=2, temperature=0.9, seed=3)
         chat("Stop", stop=["w1", "\n"], max_tokens=10)
         chat("Think", extra_body={"thinking_budget": 2}, max_tokens=8)
+        first = chat("What is 12+35?", max_tokens=40, temperature=0).choices[0].message.content
+        oa.chat.completions.create(model="m", max_tokens=40, temperature=0, messages=[       # prompt-lookup drafts
+            {"role": "user", "content": "What is 12+35?"}, {"role": "assistant", "content": first},
+            {"role": "user", "content": "What is 12+35?"}])
+        oa.responses.create(model="m", input="Hello", max_output_tokens=8)
         with oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "Stream"}], max_tokens=50,
                                         stream=True) as stream:
             for i, _ in enumerate(stream):
@@ -101,3 +111,24 @@ def test_a_warmed_server_compiles_nothing_for_any_request_mix(server):
     assert counter.compiled == 0 and counter.loaded == 0, (counter.compiled, counter.loaded)
     assert stats.hits >= 2 and stats.demoted > 0, stats
     assert min(lengths) <= 2 and max(lengths) > 2500
+
+
+def test_metrics_count_speculation_latency_and_routes(server):
+    """After the mix above (same module: the server's counters hold it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s, app, _, _ = server
+    r = httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    samples = [x for f in text_string_to_metric_families(r.text) for x in f.samples]
+
+    def total(name, **labels):
+        return sum(x.value for x in samples if x.name == name and all(x.labels.get(k) == v for k, v in labels.items()))
+    assert total("zoo_spec_position_drafts_total", source="mtp", position="1") > 0
+    assert total("zoo_spec_position_accepted_total", source="mtp", position="1") > 0
+    assert total("zoo_spec_position_drafts_total", source="lookup", position="1") > 0
+    drafts = total("zoo_spec_position_drafts_total")
+    assert 0 < total("zoo_spec_position_accepted_total") <= drafts
+    assert total("zoo_spec_draft_length_count") > 0 and total("zoo_inter_token_latency_seconds_count") > 0
+    assert total("zoo_http_requests_total", route="/v1/responses", status="200") == 1
+    policy = app.state.service.engine.generator.spec_policy
+    assert policy.mode == "auto" and policy.chosen["off"] > 0 and sum(policy.chosen.values()) > policy.chosen["off"]

@@ -137,14 +137,19 @@ def test_a_quantized_gguf_over_two_processes_matches_one(tmp_path):
 
 def test_an_engine_session_driven_by_process_0_replays_on_the_other(tmp_path):
     """``zoo.engine.replica``: process 0 takes requests between steps (one arrives at step 3 and
-    samples, one is cancelled at step 5, MTP k=2) and publishes each step's arrivals and
-    cancellations; process 1 replays them. Process 0's tokens and finish reasons equal one process
-    running the same session, and process 1 replayed every step."""
+    samples, one is cancelled at step 5, MTP k=2 under the auto speculation policy) and publishes
+    each step's arrivals, cancellations and step costs; process 1 replays them. Process 1 made every
+    decision process 0 made (the same options, every token of every request, the sampled one too);
+    the greedy requests' tokens and every finish reason equal one process running the session (its
+    sampled request may take other draft lengths there: its own timings)."""
     path = str(write_random_checkpoint(tmp_path / "qwen", QWEN, seed=2))
     args = {"path": path, "layout": "tp"}
     one = run_job("replica", args, tmp_path / "one", processes=1, devices=8)[0]
     leader, follower = run_job("replica", args, tmp_path / "two", processes=2, devices=4)
     assert one["finish"] == ["length", "cancelled", "length"] and leader["finish"] == one["finish"]
-    assert follower["steps"] == leader["steps"] == one["steps"]
-    for key, want in one["arrays"].items():
-        assert np.array_equal(leader["arrays"][key], want), key
+    assert follower["steps"] == leader["steps"] and follower["options"] == leader["options"]
+    assert sum(leader["options"].values()) > 0 and len([o for o, n in leader["options"].items() if n]) > 1
+    for key, want in leader["arrays"].items():
+        assert np.array_equal(follower["arrays"][key], want), key
+    for key in ("tokens0", "tokens1"):
+        assert np.array_equal(leader["arrays"][key], one["arrays"][key]), key

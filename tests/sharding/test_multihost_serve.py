@@ -40,7 +40,10 @@ DEVICES = 1
 ARGS = ["serve", "--port", "0", "--log-level", "warning", "--follower-timeout", "5", "--context", "512",
         "--max-batch", "4", "--prefill-chunk", "64"]
 LAZY = ["--no-warmup"]
-EXACT = ["--dtype", "float32", "--spec", "2", "--prefix-cache-gb", "0.0001", "--prefix-cache-host-gb", "1"]
+# Fixed MTP drafts: sampled answers then do not depend on the speculation policy's timings, so the two
+# servers must give the same (the auto policy over two processes is ``test_multihost``'s engine session).
+EXACT = ["--dtype", "float32", "--spec", "2", "--spec-policy", "fixed", "--prefix-cache-gb", "0.0001",
+         "--prefix-cache-host-gb", "1"]
 TWO = ("--model", "qwen38-tiny", "--mesh", "tp", *EXACT)      # the two-process servers (the same programs)
 TOOLS = [corpus.TOOLS[n] for n in ("get_weather", "add")]     # the demo model's own tools
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

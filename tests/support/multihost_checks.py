@@ -141,10 +141,11 @@ def load_memory(path: str, layout: str = "tp") -> tuple[dict, dict]:
             "local_param_bytes": local}, {}
 
 
-def replica(path: str, layout: str = "tp", spec_tokens: int = 2) -> tuple[dict, dict]:
+def replica(path: str, layout: str = "tp", spec_tokens: int = 2, spec_policy: str = "auto") -> tuple[dict, dict]:
     """An engine session driven by process 0 (``zoo.engine.replica``): requests arrive between
     steps, one samples, one is cancelled mid-way; the other processes replay. One process: the same
-    session on a plain generator. Returns each request's tokens and finish reason."""
+    session on a plain generator. Returns each request's tokens and finish reason (a follower: the
+    tokens of the requests it replayed)."""
     import jax
 
     import zoo
@@ -152,13 +153,16 @@ def replica(path: str, layout: str = "tp", spec_tokens: int = 2) -> tuple[dict, 
     from zoo.engine.replica import Channel, Follower, Leader
 
     model = zoo.load(path, dtype="float32", mesh=layout)
-    gen = Generator(model, spec_tokens=spec_tokens, prefix_cache=None)
+    gen = Generator(model, spec_tokens=spec_tokens, prefix_cache=None, spec_policy=spec_policy)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, vocab, n).tolist() for n in (12, 20, 7)]
     if jax.process_count() > 1 and jax.process_index() > 0:
+        replayed, submit = [], gen.submit
+        gen.submit = lambda req: replayed.append(req) or submit(req)
         steps = Follower(gen, Channel()).run(timeout_s=120)
-        return {"steps": steps}, {}
+        return {"steps": steps, "options": gen.spec_policy.chosen}, \
+            {f"tokens{i}": np.asarray(r.tokens, np.int64) for i, r in enumerate(replayed)}
     engine = Leader(gen, Channel()) if jax.process_count() > 1 else gen
     reqs = [engine.submit(engine.make_request(prompts[0], max_new_tokens=12)),
             engine.submit(engine.make_request(prompts[1], max_new_tokens=30, stop=[5]))]
@@ -173,7 +177,7 @@ def replica(path: str, layout: str = "tp", spec_tokens: int = 2) -> tuple[dict, 
         steps += 1
     if isinstance(engine, Leader):
         engine.close()
-    return {"steps": steps, "finish": [r.finish_reason for r in reqs]}, \
+    return {"steps": steps, "finish": [r.finish_reason for r in reqs], "options": gen.spec_policy.chosen}, \
         {f"tokens{i}": np.asarray(r.tokens, np.int64) for i, r in enumerate(reqs)}
 
 

@@ -57,8 +57,8 @@ def test_quantized_tiny_models_compile_for_v5e_8(name, cli_report):
         session = aot._open(name, "Q8_0", "v5e-8", "tp", "bfloat16")      # differ only in shapes)
         names = [p[0] for p in session.generator(2, 2, 256, 64).program_set()]
         # 256 tokens of context hold 512 slots (a piece's padding), both prefill widths
-        assert names == ["decode B=2 L=512 MTP k=2", "prefill width=16 L=512 + MTP rows",
-                         "prefill width=64 L=512 + MTP rows"]
+        assert names == ["decode B=2 L=512 MTP k=2", "decode B=2 L=512 MTP drafts off",
+                         "prefill width=16 L=512 + MTP rows", "prefill width=64 L=512 + MTP rows"]
         report = {"model": name, "quant": "Q8_0", "target": "v5e-8", "layout": "tp",
                   "chips": int(session.model.mesh.devices.size), "usable_hbm": session.usable,
                   "programs": [session.decode(2, 256, 2), session.prefill(64, 256, 2)]}
@@ -116,7 +116,8 @@ def test_cli_defaults_and_errors(cli_report):
     assert code == 0 and doc["target"] == "v5e-8" and doc["spec_tokens"] == 3 and doc["prefill_chunk"] == 128
     assert doc["ok"]
     assert [p["name"] for p in doc["programs"]] == [          # the largest chunk the 128-token context holds
-        "decode B=3 L=256", "decode B=3 L=256 MTP k=3", "prefill width=128 L=256 + MTP rows",
+        "decode B=3 L=256", "decode B=3 L=256 MTP k=3", "decode B=3 L=256 MTP drafts off",
+        "prefill width=128 L=256 + MTP rows",
         "prefill width=16 L=256 + MTP rows", "decode with token masks: draft B=3 L=256 k=3",
         "decode with token masks: verify B=3 L=256 k=3", "decode with token masks: settle B=3 L=256 k=3"]
     too_long = aot.compile_report("qwen38-tiny", quant="int8", batch=32, context=2**24, programs=("decode",))

@@ -61,7 +61,11 @@ def add_commands(sub) -> None:
     s.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipe)")
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
-    s.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
+    s.add_argument("--spec", type=int, default=0, metavar="K",
+                   help="MTP speculative decoding with at most K drafts per step (0: off)")
+    s.add_argument("--spec-policy", default="auto", choices=["auto", "fixed"],
+                   help="with --spec K: auto chooses each step's draft lengths (0..K) and sources (MTP or prompt "
+                        "lookup) from step costs and acceptance; fixed drafts K MTP tokens every step")
     s.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
     s.add_argument("--mmproj", default=None, metavar="FILE",
                    help="a llama.cpp multimodal projector GGUF: the vision tower of a model loaded from a GGUF "
@@ -209,7 +213,8 @@ def _engine_args(args) -> dict:
     if host_gb is None:                                  # the default depends on this host's RAM
         from zoo.engine.rows import default_host_tier
         host_gb = default_host_tier() / 2**30
-    return {"spec_tokens": args.spec, "max_batch": args.max_batch, "context": args.context,
+    return {"spec_tokens": args.spec, "spec_policy": args.spec_policy, "max_batch": args.max_batch,
+            "context": args.context,
             "prefill_chunk": args.prefill_chunk, "prefix_cache": args.prefix_cache_gb,
             "prefix_cache_host_gb": host_gb, "max_image_tokens": args.max_image_tokens}
 
@@ -277,7 +282,8 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
                          cache=args.cache, vision=args.vision,
                          mmproj=args.mmproj)
         name = Path(args.model).name if Path(args.model).expanduser().exists() else args.model
-        app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], max_batch=engine["max_batch"],
+        app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], spec_policy=engine["spec_policy"],
+                         max_batch=engine["max_batch"],
                          context=_context(args, model), prefill_chunk=engine["prefill_chunk"],
                          warmup=args.warmup, on_warmup=_progress(counter), max_queue=args.max_queue,
                          queue_timeout_s=args.queue_timeout, model_name=name,

@@ -103,6 +103,7 @@ from zoo.engine.programs import ProgramSet
 from zoo.engine.request import Generation, ImageInput, Request
 from zoo.engine.rows import default_host_tier, default_memory_budget, first_token, place
 from zoo.engine.sampling import flag_nonfinite, row_keys
+from zoo.engine.spec_policy import SpecPolicy
 from zoo.engine.thinking_budget import ThinkingBudget
 from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import host_value, on_mesh
@@ -123,18 +124,22 @@ class Generator(ProgramSet, Admission):
     def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, context: int | None = None,
                  memory_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefix_cache: PrefixCache | float | None = None, prefix_cache_host_gb: float | None = None,
-                 prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024):
+                 prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024, spec_policy: str = "fixed"):
         """``max_batch``: the most rows (fewer if ``memory_budget`` holds fewer, see ``rows``); ``context``:
         tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the model's positions if
         fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
         the model's identity), its device budget in GiB (0: no prefix caching), or None for the default (a
         quarter of ``memory_budget``); ``prefix_cache_host_gb``: the host-RAM tier (None:
         ``rows.default_host_tier``); ``prefix_block``: tokens per cached block (a power of two dividing
-        ``CACHE_BUCKET``); ``max_image_tokens``: merged rows per image at most (``image_prefill.image_buckets``)."""
+        ``CACHE_BUCKET``); ``max_image_tokens``: merged rows per image at most (``image_prefill.image_buckets``);
+        ``spec_policy``: with ``spec_tokens``, "fixed" (k MTP drafts every step) or "auto" (each step's
+        draft lengths and sources chosen from costs and acceptance, ``zoo.engine.spec_policy``)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
         self.k, self.max_image_tokens = int(spec_tokens), int(max_image_tokens)
+        self.spec_policy = SpecPolicy(self.k, spec_policy) if self.k else None
+        self._ran: set[str] = set()                        # decode programs run (timed from their second run)
         if prefill_chunk < PREFILL_MIN or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -163,11 +168,12 @@ class Generator(ProgramSet, Admission):
         self._batch = None                                  # made on first use (``_ensure_batch``)
         self._fill: Fill | None = None                      # the prompt being prefilled (``zoo.engine.fill``)
         self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
+        self._step_off_fn = jax.jit(functools.partial(self._step_impl, k_run=0), donate_argnums=(1,))
         self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,))
         self._place_fn = jax.jit(functools.partial(place, k=self.k), donate_argnums=(0,))
         self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
         self._first_fn = jax.jit(first_token)
-        for name in ("_step_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
+        for name in ("_step_fn", "_step_off_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
         self._masked = MaskedPrograms(self._graphdef, self.k, mesh := getattr(model, "mesh", None))
         self._images = ImagePrefill(model, self._graphdef, mesh, self.max_image_tokens) if multimodal(model) else None
@@ -272,17 +278,21 @@ class Generator(ProgramSet, Admission):
         hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
         return logits_last, hidden_last, shard_cache(cache), maybe_token_logprobs(want_lp, logits, next_ids)
 
-    def _step_impl(self, state, batch, active, force, cap, want_lp):
+    def _step_impl(self, state, batch, active, force, cap, want_lp, plan=None, k_run: int | None = None):
         """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
-        ``cap`` [B] int32: the most tokens a speculative row may emit this step. Returns
+        ``cap`` [B] int32: the most tokens a speculative row may emit this step; ``plan``: the
+        speculation policy's per-row draft lengths and host drafts (``zoo.engine.speculative``);
+        ``k_run`` 0: the speculative generator's step with drafting off. Returns
         (batch, tokens [B, T], n [B]: -1 for a row whose logits are not finite, the
         ``maybe_token_logprobs`` of ``tokens`` ([B, T] leaves) from the target model's logits (the
         verify logits when speculating), computed where the traced bool ``want_lp`` holds)."""
         model = nnx.merge(self._graphdef, state)
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
         if self.k:
+            k = self.k if k_run is None else k_run
             cache, carry, tokens, n, logits = speculative.spec_step(model, cache, carry, active, row_keys(params),
-                                                                    params, self.k, force, cap, with_logits=True)
+                                                                    params, k, force, cap, with_logits=True,
+                                                                    plan=plan if k else None)
         else:
             logits, _, cache = model(carry["tok"][:, None], active[:, None], cache)
             carry, new = pick_next(carry["tok"], params, logits[:, 0], active, force)
@@ -391,11 +401,17 @@ class Generator(ProgramSet, Admission):
         force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in rows], np.int32)
         cap = np.array([self._room(r) if r is not None else 1 for r in rows], np.int32)
         want = any(r is not None and r.options.logprobs is not None for r in rows)
+        plan = None if not self.k else self.spec_policy.plan(rows, active, cap, force)
+        masked = any(r is not None and r.constraint is not None for r in rows)
         self.steps += 1
         t0 = time.perf_counter()
         try:
-            if any(r is not None and r.constraint is not None for r in rows):
-                out = self._masked_step(active, force, cap, np.bool_(want), constrained)
+            if masked:
+                out = self._masked_step(active, force, cap, np.bool_(want), constrained, plan)
+            elif plan is not None and plan.option == "off":
+                out = self._step_off_fn(self._state, self._batch, active, force, cap, np.bool_(want))
+            elif plan is not None:
+                out = self._step_fn(self._state, self._batch, active, force, cap, np.bool_(want), plan.arrays())
             else:
                 out = self._step_fn(self._state, self._batch, active, force, cap, np.bool_(want))
             self._batch, tokens, counts = out[:3]
@@ -404,7 +420,13 @@ class Generator(ProgramSet, Admission):
         except Exception as e:
             self._fail_batch(e)
             return True
-        self.mask_schedule.timed(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.mask_schedule.timed(seconds)
+        if plan is not None:           # a program's first run may have compiled it: not a step's cost
+            program = "off" if plan.option == "off" else "drafts"
+            timed = not masked and program in self._ran
+            self._ran.add(program)
+            self.spec_policy.observe(plan, rows, counts, cap, seconds if timed else None)
         for r, req in enumerate(rows):
             if req is None or req.finish_reason is not None:
                 continue
@@ -412,7 +434,8 @@ class Generator(ProgramSet, Admission):
                 if counts[r] < 0:
                     raise FloatingPointError("the model's logits for this request are not finite (NaN or inf)")
                 row_scores = None if scored is None else {key: v[r] for key, v in scored.items()}
-                self._take_step(req, tokens[r, :counts[r]].tolist(), row_scores, bool(force[r] >= 0))
+                self._take_step(req, tokens[r, :counts[r]].tolist(), row_scores, bool(force[r] >= 0),
+                                0 if plan is None else int(plan.lengths[r]))
             except Exception as e:
                 self._fail(req, e)
         self.mask_schedule.prefetch(self._constrained(self._decoding()).values())    # the next step's masks
@@ -430,8 +453,9 @@ class Generator(ProgramSet, Admission):
         filling = () if self._fill is None else self._fill.at
         return np.array([req is not None and r not in filling for r, req in enumerate(self._rows)], bool)
 
-    def _take_step(self, req: Request, new: list[int], scored: dict | None, forced: bool) -> None:
-        """Record one step's tokens ``new`` of ``req`` (``scored``: their logprob leaves) and deliver them."""
+    def _take_step(self, req: Request, new: list[int], scored: dict | None, forced: bool, drafted: int = 0) -> None:
+        """Record one step's tokens ``new`` of ``req`` (``scored``: their logprob leaves; ``drafted``:
+        the drafts the row proposed) and deliver them."""
         recs = records(new, scored, req.options.logprobs) if req.options.logprobs is not None else None
         req.stats["steps"] += 1
         req.raw.extend(new)
@@ -439,7 +463,7 @@ class Generator(ProgramSet, Admission):
             req.forcing.popleft()
             req.stats["forced"] = req.stats.get("forced", 0) + 1
         elif self.k:
-            req.stats["drafted"] += self.k
+            req.stats["drafted"] += drafted
             req.stats["accepted"] += len(new) - 1
             for i in range(len(new) - 1):
                 req.stats["accepted_by_position"][i] += 1
@@ -469,21 +493,25 @@ class Generator(ProgramSet, Admission):
             self._fail(req, e, logged=True)
         self._rows, self._batch, self._fill = [None] * self._B, None, None
 
-    def _masked_step(self, active, force, cap, want, rows: dict):
+    def _masked_step(self, active, force, cap, want, rows: dict, plan=None):
         """The step split around the host's token bitmasks (``zoo.engine.masked_step``) for the masked
         ``rows`` (row -> constraint, ``_constrained``); returns what ``_step_fn`` returns. ``cap``
-        may be lowered where a row's draft masks ran out of time."""
+        may be lowered where a row's draft masks ran out of time. ``plan``: the speculation policy's
+        (its "off" runs as K-draft parts with every length 0: no masked program of its own)."""
         p = self._masked
         masks = self._masks(self._B, self.k + 1)
         if not self.k:
             batch, logits = p.logits(self._state, self._batch, active)      # dispatched, runs meanwhile
             self.mask_schedule.fill(masks, rows)
             return p.pick(batch, logits, active, force, masks[:, :1], want)
-        batch, drafts, q, x_m = p.draft(self._state, self._batch, active)
+        arrays = plan.arrays() if plan is not None else None
+        batch, drafts, q, x_m = p.draft(self._state, self._batch, active, arrays)
         host_drafts = host_value(drafts)
-        batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active)
+        batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active, arrays)
+        if plan is not None:
+            np.minimum(cap, plan.lengths + 1, out=cap)                          # no mask past a row's drafts
         self.mask_schedule.fill(masks, rows, host_drafts, cap)               # while the verify runs
-        return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want)
+        return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want, arrays)
 
     def _room(self, req: Request) -> int:
         """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""

@@ -8,15 +8,16 @@ step is cut where the logits exist, the host fills the masks while the device ru
     plain:  logits(state, batch, active)                  -> batch (cache advanced), logits [B, 1, V]
             host: masks [B, 1, W] from the constraints    (overlaps the forward)
             pick(batch, logits, active, force, masks)     -> batch, tokens [B, 1], n [B]
-    MTP:    draft(state, batch, active)                   -> batch, drafts [B, k], q [B, k, V], x_m [B]
+    MTP:    draft(state, batch, active, plan)             -> batch, drafts [B, k], q [B, k, V], x_m [B]
             host: reads the drafts (small)
-            verify(state, batch, x_m, drafts, active)     -> batch, p_logits [B, k+1, V], h, before
+            verify(state, batch, x_m, drafts, active, plan) -> batch, p_logits [B, k+1, V], h, before
             host: masks [B, k+1, W], drafts consumed tentatively (overlaps the verify forward)
-            settle(state, batch, before, p_logits, h, q, drafts, active, force, cap, masks)
+            settle(state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want, plan)
                                                           -> batch, tokens [B, k+1], n [B]
 
 The parts compute exactly what the fused step computes (same keys, same order); with all-ones
-masks the tokens are the fused step's. As there, a row whose logits are not finite comes back
+masks the tokens are the fused step's. ``plan``: the speculation policy's per-row draft lengths and
+host drafts (``zoo.engine.speculative``). As there, a row whose logits are not finite comes back
 with n = -1 (``sampling.flag_nonfinite``). Each program that produces tokens also returns their
 ``maybe_token_logprobs`` (``zoo.engine.logprobs``, from the unmasked target logits; computed where
 the traced flag ``want_lp`` holds). Rows without a constraint get all-ones masks; a batch without
@@ -86,23 +87,26 @@ class MaskedPrograms:
         return (batch, new[:, None], flag_nonfinite(active.astype(jnp.int32), logits),
                 maybe_token_logprobs(want_lp, logits, new[:, None]))
 
-    def _draft(self, state, batch, active):
+    def _draft(self, state, batch, active, plan=None):
         params = batch["params"]
         cache, drafts, q, x_m = speculative.draft(self._model(state), batch["cache"], batch["carry"], active,
-                                                  row_keys(params), params, self.k)
+                                                  row_keys(params), params, self.k, plan)
         return {**batch, "cache": shard_cache(cache)}, drafts, q, x_m
 
-    def _verify(self, state, batch, x_m, drafts, active):
-        p_logits, h, cache, before = speculative.verify(self._model(state), batch["cache"], x_m, drafts, active)
+    def _verify(self, state, batch, x_m, drafts, active, plan=None):
+        lengths = None if plan is None else plan["len"]
+        p_logits, h, cache, before = speculative.verify(self._model(state), batch["cache"], x_m, drafts, active,
+                                                        lengths)
         # not pinned: the recurrent layers keep one state per verify position here ([B, k+1, ...], not
         # the cache's declared axes) until ``settle`` rolls back to one
         return {**batch, "cache": cache}, p_logits, h, before
 
-    def _settle(self, state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want_lp):
+    def _settle(self, state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want_lp, plan=None):
         params, carry = batch["params"], batch["carry"]
         cache, pending, tokens, n = speculative.settle(self._model(state), batch["cache"], before, p_logits, h, q,
-                                                       drafts, active, row_keys(params), params, force, cap, masks)
-        pending = {**pending, "h": pending["h"].astype(carry["h"].dtype)}
+                                                       drafts, active, row_keys(params), params, force, cap, masks,
+                                                       None if plan is None else plan["len"])
+        pending = speculative.keep_inactive(carry, {**pending, "h": pending["h"].astype(carry["h"].dtype)}, active)
         batch = {"cache": shard_cache(cache), "carry": pending,
                  "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
         return batch, tokens, flag_nonfinite(n, p_logits), maybe_token_logprobs(want_lp, p_logits, tokens)

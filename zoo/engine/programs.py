@@ -3,9 +3,11 @@ whole-model programs, their abstract arguments on the model's mesh (what ``zoo c
 for a target), warming every one of them up before the server says ready, and the bytes of the
 batch state a configuration holds per device.
 
-    program(name)        -> jitted "decode" (batch donated) or "prefill" (one-row cache donated)
+    program(name)        -> jitted "decode" (batch donated), "decode off" (a speculative generator's
+                            step with drafting off) or "prefill" (one-row cache donated)
     program_set()        -> [(name, program, abstract args)]: decode at rows x L (with k MTP
-                            drafts when speculating) and a prefill at each of ``prefill_widths``
+                            drafts when speculating, and then also with drafting off: the
+                            speculation policy's two programs) and a prefill at each of ``prefill_widths``
                             (and, for a model with a vision tower, one with image inputs at each)
     masked_chain()       -> [(part, name, program, args_from)]: the decode step split around grammar
                             token masks (logits, pick; or draft, verify, settle), as they run
@@ -22,6 +24,7 @@ callables ``_empty_fn``, ``_first_fn``, ``_place_fn``, ``_step_fn``, and ``_step
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -30,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo.engine.options import RequestOptions
+from zoo.engine.spec_policy import Plan
 from zoo.sharding.cache_axes import cache_shardings
 from zoo.sharding.mesh import on_mesh
 
@@ -48,8 +52,14 @@ class ProgramSet:
         want_lp)``, the cache donated), not wrapped in the model's mesh: lower it under ``jax.set_mesh``
         (``zoo.tools.compile_report``). ``keep_unused``: the weights a program does not read stay
         arguments (resident memory)."""
-        impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (6,))}[name]
+        impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (6,)),
+                        "decode off": (functools.partial(self._step_impl, k_run=0), (1,))}[name]
         return jax.jit(impl, donate_argnums=donate, keep_unused=keep_unused)
+
+    def abstract_plan(self) -> dict:
+        """The speculation policy's per-row inputs of the K-draft step (``zoo.engine.speculative``)."""
+        small, b = self._replicated_struct, self._B
+        return {"len": small((b,), jnp.int32), "drafts": small((b, self.k), jnp.int32), "host": small((b,), jnp.bool_)}
 
     def abstract_batch(self, rows: int, length: int) -> dict:
         """The batch state for ``rows`` x ``length`` slots as ShapeDtypeStructs with their shardings
@@ -87,7 +97,9 @@ class ProgramSet:
         decode = (self.weights, batch, small((b,), jnp.bool_), small((b,), jnp.int32), small((b,), jnp.int32),
                   small((), jnp.bool_))
         out = [(f"decode B={b} L={L}" + (f" MTP k={self.k}" if self.k else ""), self.program("decode", keep_unused),
-                decode)]
+                decode + ((self.abstract_plan(),) if self.k else ()))]
+        if self.k:                              # the speculation policy's step with drafting off
+            out.append((f"decode B={b} L={L} MTP drafts off", self.program("decode off", keep_unused), decode))
         row = self.abstract_batch(1, L)["cache"]
         h = small((1, self.model.config.hidden_size), self.model.module.dtype)
         for w in self.prefill_widths:
@@ -116,12 +128,13 @@ class ProgramSet:
         active, force, cap, want = (small((b,), jnp.bool_), small((b,), jnp.int32), small((b,), jnp.int32),
                                     small((), jnp.bool_))
         masks = small((b, k + 1, self._mask_words), jnp.int32)
+        plan = self.abstract_plan() if k else None
         make = {"logits": lambda o: (w, batch, active),                              # -> batch, logits
                 "pick": lambda o: (*o["logits"], active, force, masks, want),
-                "draft": lambda o: (w, batch, active),                               # -> batch, drafts, q, x_m
-                "verify": lambda o: (w, o["draft"][0], o["draft"][3], o["draft"][1], active),
+                "draft": lambda o: (w, batch, active, plan),                         # -> batch, drafts, q, x_m
+                "verify": lambda o: (w, o["draft"][0], o["draft"][3], o["draft"][1], active, plan),
                 "settle": lambda o: (w, o["verify"][0], o["verify"][3], o["verify"][1], o["verify"][2],
-                                     o["draft"][2], o["draft"][1], active, force, cap, masks, want)}
+                                     o["draft"][2], o["draft"][1], active, force, cap, masks, want, plan)}
         shape = f" B={b} L={L}" + (f" k={k}" if k else "")
         return [(name, f"decode with token masks: {name}{shape}", parts.jitted(name, keep_unused), make[name])
                 for name in parts.parts]
@@ -135,7 +148,7 @@ class ProgramSet:
         seconds) per program. The batch is left empty."""
         timings: list[tuple[str, float]] = []
         images = [] if self._images is None else self._images.warmup_names(self.prefill_widths)
-        total = len(self.prefill_widths) + 3 + (self.prefix is not None) + len(images)
+        total = len(self.prefill_widths) + 3 + bool(self.k) + (self.prefix is not None) + len(images)
 
         def timed(name, fn):
             t0 = time.perf_counter()
@@ -167,12 +180,23 @@ class ProgramSet:
 
         none, force, cap = np.zeros(self._B, bool), np.full(self._B, -1, np.int32), np.ones(self._B, np.int32)
 
-        def decode(masked: bool):
-            out = (self._masked_step(none, force, cap, np.bool_(False), {}) if masked else     # no row masked
-                   self._step_fn(self._state, self._batch, none, force, cap, np.bool_(False)))
+        b = self._B
+        plan = None if not self.k else Plan(f"d{self.k}", np.zeros(b, np.int32), np.zeros((b, self.k), np.int32),
+                                            np.zeros(b, bool), [None] * b)
+
+        def decode(masked: bool, off: bool = False):
+            if masked:                                                                  # no row masked
+                out = self._masked_step(none, force, cap, np.bool_(False), {}, plan)
+            elif off:
+                out = self._step_off_fn(self._state, self._batch, none, force, cap, np.bool_(False))
+            else:
+                out = self._step_fn(self._state, self._batch, none, force, cap, np.bool_(False),
+                                    *(() if plan is None else (plan.arrays(),)))
             self._batch = out[0]
             return out
         timed("decode" + (f" MTP k={self.k}" if self.k else ""), lambda: decode(False))
+        if self.k:
+            timed("decode MTP drafts off", lambda: decode(False, off=True))
         timed("decode with token masks", lambda: decode(True))
         if self.prefix is not None:
             timed("prefix cache copies", lambda: self._rows_io.warmup(self._state, self._batch, cache,
@@ -199,3 +223,4 @@ class ProgramSet:
                 sum(int(np.prod(shape)) * x.dtype.itemsize for x, shape in zip(cache, shard_shapes))
                 + sum(x.size * x.dtype.itemsize for x in rest))
         return self._cache_bytes[rows, length]
+

@@ -19,7 +19,9 @@ programs. Plans are JSON; a request travels as its prompt ids and its options ob
 output grammar as its ``OutputGrammar``, each process compiles its own matcher). Stop strings are
 matched by each process's engine, so the followers end a request where the leader does. Nothing
 the engine decides may depend on a timing: a constrained row waits for its mask however long it
-takes (``MaskSchedule.share`` None; on one process a late mask sits the row out instead).
+takes (``MaskSchedule.share`` None; on one process a late mask sits the row out instead). The
+speculation policy decides from step costs the leader timed: each plan carries its cost table
+(``SpecPolicy.export``), which every process, the leader too, loads before the step.
 
 ``Leader`` has the generator methods the server's engine thread uses (``make_request``, ``submit``,
 ``cancel``, ``run_forever``, ``faults``, ...), so ``zoo serve`` puts it where a ``Generator`` would
@@ -150,9 +152,13 @@ class Leader:
     def step(self) -> bool:
         with self._lock:
             events, self._events = self._events, []
-        self.channel.put(self.n, {"events": [
-            {"submit": r.replica_id, "args": r.replica_args} if kind == "submit"
-            else {"cancel": r.replica_id, "choice": r.choice} for kind, r in events]})
+        plan = {"events": [{"submit": r.replica_id, "args": r.replica_args} if kind == "submit"
+                           else {"cancel": r.replica_id, "choice": r.choice} for kind, r in events]}
+        policy = self.gen.spec_policy
+        if policy is not None:                          # the step costs it decides from, as the followers
+            plan["spec"] = json.loads(json.dumps(policy.export()))
+            policy.load(plan["spec"])
+        self.channel.put(self.n, plan)
         self.n += 1
         for kind, req in events:
             (self.gen.submit if kind == "submit" else self.gen.cancel)(req)
@@ -201,6 +207,8 @@ class Follower:
                 elif e["cancel"] in self.reqs:
                     first = self.reqs[e["cancel"]]
                     self.gen.cancel(([first] + first.forks)[e.get("choice", 0)])
+            if "spec" in plan:
+                self.gen.spec_policy.load(plan["spec"])
             self.gen.step()
             self.n += 1
             self.reqs = {i: r for i, r in self.reqs.items() if not all(m.done.is_set() for m in [r] + r.forks)}

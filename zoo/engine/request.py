@@ -78,6 +78,7 @@ class Request:
     images: tuple[ImageInput, ...] = ()    # the prompt's images, in order (``zoo.engine.image_prefill``)
     cache_tokens: list[int] | None = None  # the prefix cache's key of the prompt: image placeholders
                                            # replaced by ids of their image's content (set by the engine)
+    spec: object = None                    # the speculation policy's state of it (``zoo.engine.spec_policy``)
 
     @property
     def choice_seed(self) -> int:

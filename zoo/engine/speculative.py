@@ -17,6 +17,18 @@ The model provides ``__call__(..., keep_steps=True)``, ``rollback``, ``rollback_
     next pending rows: (h_m, d_1) .. (h_{m+j-1}, d_j), (h_{m+j}, extra)       -- j+1 rows
 
 ``accept`` is the sampler on its own (tested for distributional exactness).
+
+Per-row draft lengths and host drafts (``zoo.engine.spec_policy`` chooses them each step): ``plan``
+``{"len": [B] int32 in 0..k, "drafts": [B, k] int32, "host": [B] bool}``. A row drafts ``len`` tokens:
+its verify positions past them are masked out (a MoE routes none of them) and only its first ``len``
+drafts can be accepted; when all are, the extra token is drawn from the target alone (the bonus).
+A chained MTP draft runs only when some row drafts that far (``lax.cond``: a step costs what its
+longest row asks). A ``host`` row's drafts are ``plan["drafts"]`` (prompt lookup) with a proposal
+that is certain (q one-hot): rejection sampling against it is exact as for MTP drafts. Without a
+plan every row drafts k from the MTP head. ``spec_step(k=0)`` is the step with drafting off: the
+target on one token per row, whose row is appended to the pending ones; the MTP catch-up runs when
+some row's pending rows are full (every P steps: the MTP layer's cache keeps up at a fraction of the
+cost).
 """
 
 from __future__ import annotations
@@ -24,42 +36,47 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zoo.engine.sampling import draw, probs
+from zoo.engine.sampling import draw, probs, sample
 from zoo.engine.token_mask import apply_token_mask
 from zoo.models.contract import CausalLMContract
 from zoo.models.shared.cache import ModelCache
 from zoo.models.shared.layers import take_step
 
 
-def accept(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array):
+def accept(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array,
+           lengths: jax.Array | None = None):
     """Exact rejection sampling.
 
     keys [B] (one per row); p [B, k+1, V] target distributions at the k+1 verify positions;
-    q [B, k, V] the distributions the drafts were drawn from; drafts [B, k]; greedy [B]
-    (temperature 0: accept iff the draft is the argmax of p).
-    Returns (n_accepted [B] in 0..k, extra token [B]).
+    q [B, k, V] the distributions the drafts were drawn from (one-hot for a draft that was certain,
+    zero past a row's proposed drafts); drafts [B, k]; greedy [B] (temperature 0: accept iff the
+    draft is the argmax of p); lengths [B]: the drafts each row proposed (default k).
+    Returns (n_accepted [B] in 0..lengths, extra token [B]).
     """
-    return jax.lax.cond(jnp.all(greedy), lambda: _accept_greedy(p, drafts),
-                        lambda: _accept_sampled(keys, p, q, drafts, greedy))
+    proposed = (jnp.ones(drafts.shape, bool) if lengths is None
+                else jnp.arange(drafts.shape[1])[None, :] < lengths[:, None])
+    return jax.lax.cond(jnp.all(greedy), lambda: _accept_greedy(p, drafts, proposed),
+                        lambda: _accept_sampled(keys, p, q, drafts, greedy, proposed))
 
 
-def _accept_greedy(p: jax.Array, drafts: jax.Array):
+def _accept_greedy(p: jax.Array, drafts: jax.Array, proposed: jax.Array):
     """``accept`` when every row is greedy: the drafts that are the argmax of p, then the argmax
     after them (no random numbers, no residual distribution)."""
     k = drafts.shape[1]
-    ok = drafts == jnp.argmax(p[:, :k], axis=-1)
+    ok = (drafts == jnp.argmax(p[:, :k], axis=-1)) & proposed
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
     return n_acc, jnp.argmax(p_j, axis=-1).astype(jnp.int32)
 
 
-def _accept_sampled(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array):
+def _accept_sampled(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array,
+                    proposed: jax.Array):
     b, k = drafts.shape
     split = jax.vmap(jax.random.split)(keys)                              # [B, 2]
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(split[:, 0])
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    ok = jnp.where(greedy[:, None], drafts == jnp.argmax(p[:, :k], axis=-1), u * q_d < p_d)
+    ok = jnp.where(greedy[:, None], drafts == jnp.argmax(p[:, :k], axis=-1), u * q_d < p_d) & proposed
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
     q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)       # q_k = 0: the bonus is p_k
@@ -71,49 +88,86 @@ def _accept_sampled(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Arr
     return n_acc, draw(split[:, 1], residual, greedy)
 
 
-def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
-          params: dict, k: int):
-    """Phase 1 of a step: MTP catch-up on the pending rows, then k chained drafts.
-    Returns (cache, drafts [B, k] int32, q [B, k, V] the draft distributions, x_m [B] the last
-    emitted token, which the verify feeds first)."""
-    temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
-    greedy = temp <= 0
-    sub = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)           # [B, k+1]
-    rows = (jnp.arange(k + 1)[None, :] < pending["n"][:, None]) & active[:, None]
+def catch_up(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array):
+    """The MTP layer over each active row's pending rows (its first ``pending["n"]``), kept in its
+    cache. Returns (draft logits [B, P, V], MTP outputs [B, P, D], cache)."""
+    width = pending["tok"].shape[1]
+    rows = (jnp.arange(width)[None, :] < pending["n"][:, None]) & active[:, None]
     mtp_before = cache.mtp.slots
     q_logits, o, cache = model.mtp_forward(pending["h"], pending["tok"], rows, cache)
     caught_up = model.rollback_meta(mtp_before, cache.mtp.slots, jnp.where(active, pending["n"], 0))
-    cache = cache.replace(mtp=cache.mtp.replace(slots=caught_up))
+    return q_logits, o, cache.replace(mtp=cache.mtp.replace(slots=caught_up))
+
+
+def keep_inactive(old: dict, new: dict, active: jax.Array) -> dict:
+    """The pending rows after a step: ``new`` for the active rows, ``old`` for the rows that sat it
+    out (a constrained row whose mask was late keeps what its MTP has still to see)."""
+    return jax.tree.map(lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), b, a.astype(b.dtype)),
+                        old, new)
+
+
+def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
+          params: dict, k: int, plan: dict | None = None):
+    """Phase 1 of a step: MTP catch-up on the pending rows, then k chained drafts (a chained draft
+    runs only where some row's ``plan["len"]`` reaches it; a ``plan["host"]`` row takes its
+    ``plan["drafts"]`` with one-hot q instead). Returns (cache, drafts [B, k] int32, q [B, k, V] the
+    draft distributions, x_m [B] the last emitted token, which the verify feeds first)."""
+    temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
+    greedy = temp <= 0
+    sub = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)           # [B, k+1]
+    q_logits, o, cache = catch_up(model, cache, pending, active)
     mark = cache.mtp
     last = jnp.maximum(pending["n"] - 1, 0)
+    x_m = take_step(pending["tok"], last)
+    lengths = jnp.full(x_m.shape, k, jnp.int32) if plan is None else plan["len"]
+    chain = active if plan is None else active & ~plan["host"]          # the rows the MTP drafts for
+    longest = jnp.max(jnp.where(chain, lengths, 0))
     q_i, o_i = take_step(q_logits, last), take_step(o, last)
     qs, drafts = [], []
     for i in range(k):
         if i:
-            q_l, o_l, cache = model.mtp_forward(o_i[:, None], drafts[-1][:, None], active[:, None], cache)
-            q_i, o_i = q_l[:, 0], o_l[:, 0]
+            def chained(mtp, o_prev=o_i, d_prev=drafts[-1], i=i):
+                q_l, o_l, c = model.mtp_forward(o_prev[:, None], d_prev[:, None], (chain & (lengths > i))[:, None],
+                                                cache.replace(mtp=mtp))
+                return q_l[:, 0].astype(q_i.dtype), o_l[:, 0].astype(o_i.dtype), c.mtp
+
+            def skipped(mtp, q_prev=q_i, o_prev=o_i):
+                return jnp.zeros_like(q_prev), jnp.zeros_like(o_prev), mtp
+            q_i, o_i, mtp = jax.lax.cond(longest > i, chained, skipped, cache.mtp)
+            cache = cache.replace(mtp=mtp)
         qs.append(probs(q_i, temp, top_k, top_p))
         drafts.append(draw(sub[:, i], qs[-1], greedy))
     cache = model.mtp_restore(cache, mark)                              # drop the provisional rows
-    return cache, jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), take_step(pending["tok"], last)
+    drafts, q = jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1)
+    if plan is not None:
+        host = plan["host"][:, None]
+        drafts = jnp.where(host, plan["drafts"], drafts).astype(jnp.int32)
+        q = jnp.where(host[..., None], jax.nn.one_hot(drafts, q.shape[-1], dtype=q.dtype), q)
+    return cache, drafts, q, x_m
 
 
-def verify(model: CausalLMContract, cache: ModelCache, x_m: jax.Array, drafts: jax.Array, active: jax.Array):
+def verify(model: CausalLMContract, cache: ModelCache, x_m: jax.Array, drafts: jax.Array, active: jax.Array,
+           lengths: jax.Array | None = None):
     """Phase 2: the target model over ``[x_m, d_1..d_k]``, keeping the recurrent state after each
-    token. Returns (p_logits [B, k+1, V], h [B, k+1, D], cache, before: the slots to roll back to)."""
+    token (a row's positions past its ``lengths`` [B] drafts masked out). Returns (p_logits
+    [B, k+1, V], h [B, k+1, D], cache, before: the slots to roll back to)."""
     verify_ids = jnp.concatenate([x_m[:, None], drafts], axis=1)
     before = cache.slots
-    p_logits, h, cache = model(verify_ids, jnp.broadcast_to(active[:, None], verify_ids.shape), cache,
-                               keep_steps=True)
+    mask = jnp.broadcast_to(active[:, None], verify_ids.shape)
+    if lengths is not None:
+        mask = mask & (jnp.arange(verify_ids.shape[1])[None, :] <= lengths[:, None])
+    p_logits, h, cache = model(verify_ids, mask, cache, keep_steps=True)
     return p_logits, h, cache, before
 
 
 def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Array, h: jax.Array, q: jax.Array,
            drafts: jax.Array, active: jax.Array, keys: jax.Array, params: dict, force: jax.Array | None = None,
-           cap: jax.Array | None = None, mask: jax.Array | None = None):
+           cap: jax.Array | None = None, mask: jax.Array | None = None, lengths: jax.Array | None = None,
+           width: int | None = None):
     """Phase 3: accept (the target logits masked by ``mask`` [B, k+1, W] token bitmasks, if given:
-    the target distribution is then the masked one, see ``zoo.engine.token_mask``), apply
-    ``cap`` / ``force``, roll back. Returns (cache, pending, tokens [B, k+1], n_tokens [B])."""
+    the target distribution is then the masked one, see ``zoo.engine.token_mask``; a row's drafts
+    past its ``lengths`` [B] were not proposed), apply ``cap`` / ``force``, roll back. Returns
+    (cache, pending (padded to ``width`` rows, default k+1), tokens [B, k+1], n_tokens [B])."""
     k = drafts.shape[1]
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     greedy = temp <= 0
@@ -121,8 +175,10 @@ def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Arr
     if mask is not None:
         p_logits = apply_token_mask(p_logits, mask)
     p = probs(p_logits, temp, top_k, top_p)
-    n_acc, extra = accept(sub[:, k], p, q, drafts, greedy)
-    if cap is not None:
+    if lengths is not None:                   # an unproposed draft is never accepted; past it, the bonus
+        q = jnp.where((jnp.arange(k)[None, :] < lengths[:, None])[..., None], q, 0.0)
+    n_acc, extra = accept(sub[:, k], p, q, drafts, greedy, lengths)
+    if cap is not None and k:                                 # (with no drafts a row emits one token)
         limit = jnp.maximum(cap, 1) - 1
         past = n_acc > limit                                  # then drafts[limit] was accepted: emit it last
         extra = jnp.where(past, jnp.take_along_axis(drafts, jnp.minimum(limit, k - 1)[:, None], axis=1)[:, 0], extra)
@@ -133,32 +189,66 @@ def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Arr
     n_keep = jnp.where(active, n_acc + 1, 0)
     cache = model.rollback(cache, before, n_keep)
     pos = jnp.arange(k + 1)[None, :]
-    drafts_ext = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
+    drafts_ext = jnp.concatenate([drafts, drafts[:, -1:] if k else extra[:, None]], axis=1)
     tokens = jnp.where(pos == n_acc[:, None], extra[:, None], drafts_ext).astype(jnp.int32)
-    pending = {"h": h, "tok": tokens, "n": n_acc + 1}
+    pad = (width or k + 1) - (k + 1)
+    pending = {"h": jnp.pad(h, ((0, 0), (0, pad), (0, 0))), "tok": jnp.pad(tokens, ((0, 0), (0, pad))),
+               "n": n_acc + 1}
     return cache, pending, tokens, n_keep
 
 
 def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array, keys: jax.Array,
               params: dict, k: int, force: jax.Array | None = None, cap: jax.Array | None = None,
-              with_logits: bool = False):
+              with_logits: bool = False, plan: dict | None = None):
     """One speculative decode step for every row (see module docstring): ``draft``, ``verify`` and
     ``settle`` in one program.
 
-    pending: ``{"h": [B, k+1, D], "tok": [B, k+1] int32, "n": [B] int32}`` rows for the MTP;
+    pending: ``{"h": [B, P, D], "tok": [B, P] int32, "n": [B] int32}`` rows for the MTP (P >= k+1:
+    the batch's width, the most drafts any of its programs makes + 1);
     active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B];
     force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token;
     cap [B] int32 (optional): a row emits at most ``cap`` (>= 1) tokens this step (accepted drafts past
-    the cap are dropped and rolled back; the last kept one is an accepted draft, so still exact).
+    the cap are dropped and rolled back; the last kept one is an accepted draft, so still exact);
+    plan (optional): per-row draft lengths and host drafts (module docstring).
     Returns (cache, pending, tokens [B, k+1] int32, n_tokens [B] int32 (0 for inactive rows)), and
     with ``with_logits`` also the target's verify logits [B, k+1, V]: position i is the model's
     distribution for ``tokens[:, i]`` (what a plain decode step would have given for that token).
     """
-    cache, drafts, q, x_m = draft(model, cache, pending, active, keys, params, k)
-    p_logits, h, cache, before = verify(model, cache, x_m, drafts, active)
+    if not k:
+        return _step_without_drafts(model, cache, pending, active, keys, params, force, with_logits)
+    lengths = None if plan is None else plan["len"]
+    cache, drafts, q, x_m = draft(model, cache, pending, active, keys, params, k, plan)
+    p_logits, h, cache, before = verify(model, cache, x_m, drafts, active, lengths)
     cache, new, tokens, n_keep = settle(model, cache, before, p_logits, h, q, drafts, active, keys, params,
-                                       force, cap)
-    new = {**new, "h": new["h"].astype(pending["h"].dtype)}
+                                       force, cap, lengths=lengths, width=pending["tok"].shape[1])
+    new = keep_inactive(pending, {**new, "h": new["h"].astype(pending["h"].dtype)}, active)
     if with_logits:
         return cache, new, tokens, n_keep, p_logits
     return cache, new, tokens, n_keep
+
+
+def _step_without_drafts(model, cache, pending, active, keys, params, force, with_logits):
+    """``spec_step`` with k = 0: the target on one token per row, as a plain decode step (no per-token
+    states kept, nothing to roll back). The MTP catch-up is deferred while the pending rows have room
+    (``lax.cond``): a step appends its row (h_m, token) to them, and runs the catch-up of every row
+    only when some active row's are full (once every P steps)."""
+    width = pending["tok"].shape[1]
+    full = jnp.any(active & (pending["n"] >= width))
+
+    def caught_up(mtp):
+        return catch_up(model, cache.replace(mtp=mtp), pending, active)[2].mtp
+    cache = cache.replace(mtp=jax.lax.cond(full, caught_up, lambda mtp: mtp, cache.mtp))
+    x_m = take_step(pending["tok"], jnp.maximum(pending["n"] - 1, 0))
+    logits, h, cache = model(x_m[:, None], active[:, None], cache)
+    new = sample(logits[:, 0], keys, params["temperature"], params["top_k"], params["top_p"])
+    if force is not None:
+        new = jnp.where(force >= 0, force, new)
+    tokens, n_keep = new[:, None].astype(jnp.int32), active.astype(jnp.int32)
+    at = jnp.where(full, 0, pending["n"])                                 # where this step's row goes
+    row = jax.nn.one_hot(at, width, dtype=jnp.bool_)                      # [B, P]
+    appended = {"h": jnp.where(row[..., None], h[:, :1].astype(pending["h"].dtype), pending["h"]),
+                "tok": jnp.where(row, tokens, pending["tok"]), "n": at + 1}
+    new_pending = keep_inactive(pending, appended, active)
+    if with_logits:
+        return cache, new_pending, tokens, n_keep, logits
+    return cache, new_pending, tokens, n_keep

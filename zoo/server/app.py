@@ -77,7 +77,8 @@ def _tool_call_format(tool_format: str | None, model) -> ToolCallFormat | None:
     return FORMATS[tool_format]
 
 
-def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_batch: int = 16,
+def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_policy: str = "auto",
+               max_batch: int = 16,
                context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, warmup: bool = False,
                on_warmup=None,
                max_queue: int = 64, queue_timeout_s: float = 60.0, keepalive_s: float = 15.0,
@@ -89,10 +90,12 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
                image_policy: ImagePolicy | None = None, max_image_tokens: int = 1024) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
-    api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP draft
-    length. max_batch: rows decoded together (fewer if the memory holds fewer). context: tokens per
-    request, prompt and output (None: ``Generator``'s default). prefill_chunk: prompt tokens per
-    prefill program (a power of two; ``zoo compile`` reports the largest a target chip leaves room
+    api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP drafts
+    per step at most; spec_policy: "auto" (each step's draft lengths and sources chosen from costs and
+    acceptance, ``zoo.engine.spec_policy``) or "fixed" (spec_tokens MTP drafts every step).
+    max_batch: rows decoded together (fewer if the memory holds fewer). context: tokens per request,
+    prompt and output (None: ``Generator``'s default). prefill_chunk: prompt tokens per prefill program
+    (a power of two; ``zoo compile`` reports the largest a target chip leaves room
     for). warmup: the engine compiles all its programs before it serves (``/health`` says "warming
     up" until then; requests wait; ``zoo serve`` does; off, each program compiles when a request
     first needs it); ``on_warmup(name, seconds, done, total)`` after each. max_queue: requests that
@@ -122,7 +125,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, max_b
     calls = _tool_call_format(tool_format, model)
     image_policy = image_policy or ImagePolicy()
     vision = VisionInputs.from_model(model, image_policy, max_image_tokens)        # None: text only
-    generator = Generator(model, spec_tokens=spec_tokens, max_batch=max_batch, context=context,
+    generator = Generator(model, spec_tokens=spec_tokens, spec_policy=spec_policy, max_batch=max_batch, context=context,
                           memory_budget=memory_budget, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
                           prefix_cache_host_gb=prefix_cache_host_gb, max_image_tokens=max_image_tokens)
     context, rows = generator.context, generator.rows

@@ -51,12 +51,17 @@ class Job:
         self.reason = "cancelled"           # the finish reason if the server stops it (see ``cancel``)
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
+        self.t_tokens: float | None = None  # engine thread: when its last tokens were delivered
 
     # engine thread -> loop
     def on_admit(self, req) -> None:
         self._call(self._admit)
 
     def on_tokens(self, req, tokens: list[int]) -> None:
+        now = time.perf_counter()
+        if self.t_tokens is not None:
+            self.engine.metrics.inter_token.observe(now - self.t_tokens)
+        self.t_tokens = now
         # the engine appended these tokens' records and text just before calling (same thread): take them now
         recs = req.token_logprobs[len(req.token_logprobs) - len(tokens):] if req.options.logprobs is not None else []
         self._call(self._arrive, (list(tokens), recs, self._new_text(req)))
@@ -331,3 +336,4 @@ class EngineThread:
         self.metrics.generation_tokens.inc(job.received)
         self.metrics.drafted.inc(stats.get("drafted", 0))
         self.metrics.accepted.inc(stats.get("accepted", 0))
+        self.metrics.count_speculation(stats)

@@ -6,7 +6,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
-          "/v1/messages/count_tokens")
+          "/v1/messages/count_tokens", "/v1/responses")
+DRAFT_SOURCES = ("mtp", "lookup")
+
+
+def route_label(path: str) -> str:
+    """The route a request path counts under: a known route, "/v1/responses/{id}" for a stored
+    response, else "other"."""
+    if path in ROUTES:
+        return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
+    return "other"
 
 
 class Metrics:
@@ -30,6 +41,18 @@ class Metrics:
         self.drafted = Counter("zoo_spec_draft_tokens", "Speculative tokens drafted (draft_n)", registry=r)
         self.accepted = Counter("zoo_spec_accepted_tokens", "Speculative tokens accepted (draft_n_accepted)",
                                 registry=r)
+        self.draft_tried = Counter("zoo_spec_position_drafts", "Draft tokens the verify reached, by source "
+                                   "(mtp, lookup) and position (1-based)", ["source", "position"], registry=r)
+        self.draft_accepted = Counter("zoo_spec_position_accepted", "Draft tokens accepted, by source and "
+                                      "position (acceptance at a position: this over zoo_spec_position_drafts)",
+                                      ["source", "position"], registry=r)
+        self.draft_length = Histogram("zoo_spec_draft_length", "Draft tokens a row proposed per decode step "
+                                      "(the speculation policy's choice; 0: it drafted none)",
+                                      buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16), registry=r)
+        self.inter_token = Histogram("zoo_inter_token_latency_seconds", "Seconds between consecutive token "
+                                     "deliveries of a request (a speculative step delivers several at once)",
+                                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                     registry=r)
 
     def watch_prefix_cache(self, prefix) -> None:
         """Export a ``PrefixCache``'s counters and tier sizes (read at each scrape)."""
@@ -39,7 +62,22 @@ class Metrics:
         return generate_latest(self.registry)
 
     def count_http(self, path: str, status: int) -> None:
-        self.http_requests.labels(path if path in ROUTES else "other", str(status)).inc()
+        self.http_requests.labels(route_label(path), str(status)).inc()
+
+    def count_speculation(self, stats: dict) -> None:
+        """A finished request's ``stats["spec"]`` (``SpecPolicy.observe``): drafts reached and accepted
+        by source and position, and its steps' draft lengths."""
+        spec = stats.get("spec") or {}
+        for source in DRAFT_SOURCES:
+            by = spec.get(source)
+            for i, (tried, accepted) in enumerate(zip(by["tried"], by["accepted"]) if by else ()):
+                if tried:
+                    self.draft_tried.labels(source, str(i + 1)).inc(tried)
+                if accepted:
+                    self.draft_accepted.labels(source, str(i + 1)).inc(accepted)
+        for length, steps in (spec.get("lengths") or {}).items():
+            for _ in range(steps):
+                self.draft_length.observe(int(length))
 
 
 class _PrefixCollector:

@@ -202,12 +202,15 @@ class _Session:
         return Generator(self.model, spec_tokens=spec_tokens, max_batch=batch, context=context, prefill_chunk=chunk,
                          memory_budget=1 << 62, prefix_cache=0)
 
-    def decode(self, batch: int, context: int, spec_tokens: int) -> dict:
-        """The server's decode step (``Generator.program_set``) at ``batch`` rows of ``context`` tokens."""
+    def decode(self, batch: int, context: int, spec_tokens: int, drafts_off: bool = False) -> dict:
+        """The server's decode step (``Generator.program_set``) at ``batch`` rows of ``context`` tokens;
+        ``drafts_off``: a speculative generator's step with drafting off (the MTP catch-up, one token
+        per row: what the auto speculation policy runs when drafts do not pay)."""
         gen = self.generator(spec_tokens, batch, context)
-        label, fn, args = gen.program_set(keep_unused=True)[0]
-        read = must_read(self.model.module, self.model.config, rows=batch * (spec_tokens + 1),
-                         mtp_calls=spec_tokens, mtp_rows=batch * (spec_tokens + 1))
+        label, fn, args = gen.program_set(keep_unused=True)[1 if drafts_off else 0]
+        tokens = 1 if drafts_off else spec_tokens + 1
+        read = must_read(self.model.module, self.model.config, rows=batch * tokens,
+                         mtp_calls=1 if drafts_off else spec_tokens, mtp_rows=batch * (spec_tokens + 1))
         return self._report(label, fn, args, args[1], read)
 
     def prefill(self, chunk: int, context: int, spec_tokens: int, width: int | None = None) -> dict:
@@ -282,10 +285,11 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
     """Compile the engine's programs for ``target`` (see the module docstring); a JSON-ready report.
 
     ``programs``: "decode" compiles the decode step at ``batch`` x ``context`` without drafts and,
-    when ``spec_tokens`` k > 0, with k MTP drafts (None: ``DEFAULT_SPEC`` where the model has an MTP
-    layer, else 0); "prefill" the prefill chunk (with the chunk's MTP rows when k > 0); "masked" the
-    decode step split around grammar token masks (``Generator.masked_chain``: with k drafts when
-    k > 0), the programs a batch with a constrained row runs.
+    when ``spec_tokens`` k > 0, with k MTP drafts and with drafting off (the auto speculation policy's
+    two programs; None: ``DEFAULT_SPEC`` where the model has an MTP layer, else 0); "prefill" the
+    prefill chunk (with the chunk's MTP rows when k > 0); "masked" the decode step split around
+    grammar token masks (``Generator.masked_chain``: with k drafts when k > 0), the programs a batch
+    with a constrained row runs.
     ``prefill_chunk`` None chooses the chunk from the memory left: the first of ``PREFILL_CHUNKS``
     (those up to ``context``) that compiles with ``min_margin`` bytes to spare (``prefill_chunk`` in the
     report; the larger ones tried are reported too, marked ``rejected``). ``ok``: every program not
@@ -302,6 +306,8 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
     for program in programs:
         if program == "decode":
             reports += [session.decode(batch, context, k) for k in sorted({0, spec_tokens})]
+            if spec_tokens:
+                reports.append(session.decode(batch, context, spec_tokens, drafts_off=True))
             continue
         if program == "masked":
             reports += session.masked(batch, context, spec_tokens)
