@@ -9,7 +9,7 @@ float32, so every configuration emits the same tokens and only the time differs:
     plain   no drafts (``spec_tokens`` 0)
     fixed   ``--spec`` K MTP drafts every step (the engine before ``zoo.engine.spec_policy``)
     auto    up to K drafts per row and step, MTP or prompt lookup, chosen from timed step costs and
-            running acceptance (what ``zoo serve --spec K`` does by default)
+            running acceptance (``zoo serve --spec K --spec-policy auto``)
 
 Two tasks, each at 1, 4 and 16 concurrent streams (a batch of that many requests, stepped to the
 end; the auto engine keeps what it learned between runs, as a server does):

@@ -61,10 +61,9 @@ def test_the_program_set_and_the_warmup_cover_images(warm):
     L = gen._L
     assert gen._images.buckets == (256, CAP) and gen.prefill_widths == (16, 256)
     assert [name for name, _, _ in gen.program_set()] == [
-        f"decode B=2 L={L} MTP k=2", f"decode B=2 L={L} MTP drafts off", f"prefill width=16 L={L} + MTP rows",
-        f"prefill width=256 L={L} + MTP rows",
+        f"decode B=2 L={L} MTP k=2", f"prefill width=16 L={L} + MTP rows", f"prefill width=256 L={L} + MTP rows",
         f"prefill width=16 L={L} with images + MTP rows", f"prefill width=256 L={L} with images + MTP rows"]
-    mm = gen.program_set()[4][2][-1]                   # the abstract MMInputs: Qwen's M-RoPE positions too
+    mm = gen.program_set()[3][2][-1]                   # the abstract MMInputs: Qwen's M-RoPE positions too
     d = model.config.hidden_size
     assert (mm.rows.shape, mm.is_image.shape, mm.positions.shape) == ((1, 16, d), (1, 16), (3, 1, 16))
     names = [p[0] for p in progress]
@@ -72,7 +71,7 @@ def test_the_program_set_and_the_warmup_cover_images(warm):
     images = ["image tower rows=256", f"image tower rows={CAP}", "image rows width=16", "prefill width=16 with images",
               "image rows width=256", "prefill width=256 with images"]
     assert [n for n in names if "image" in n] == images
-    assert len(names) == 13                            # 7 text stages (decode with and without drafts), 6 for images
+    assert len(names) == 12                            # 6 text stages as before, 6 for images
 
 
 def image(grid, seed: int, dim: int) -> ImageInput:
@@ -136,7 +135,7 @@ def test_glm_warmed_compiles_nothing_for_images_of_any_grid(tmp_path_factory):
                     max_image_tokens=40)
     assert gen._images.buckets == (40,) and gen.prefill_widths == (16,) and not gen._images.positions
     names = [name for name, _, _ in gen.program_set()]
-    assert names[-1] == f"prefill width=16 L={gen._L} with images + MTP rows" and len(names) == 4
+    assert names[-1] == f"prefill width=16 L={gen._L} with images + MTP rows" and len(names) == 3
     assert gen.program_set()[-1][2][-1].positions is None
     gen.warmup()
     dim, text, run_of = prompt_parts(model, seed=1)

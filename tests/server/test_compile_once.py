@@ -32,8 +32,9 @@ CONTEXT = 4096
 def server():
     model = zoo.load("qwen38-tiny", dtype="float32")
     progress = []
-    app = create_app(model, api_key=KEY, spec_tokens=2, max_batch=4, context=CONTEXT, prefill_chunk=256, warmup=True,
-                     prefix_cache_gb=0.05, prefix_cache_host_gb=1, on_warmup=lambda *a: progress.append(a))
+    app = create_app(model, api_key=KEY, spec_tokens=2, spec_policy="auto", max_batch=4, context=CONTEXT,
+                     prefill_chunk=256, warmup=True, prefix_cache_gb=0.05, prefix_cache_host_gb=1,
+                     on_warmup=lambda *a: progress.append(a))
     with ServerThread(app) as s:
         first = httpx.get(s.url + "/health")
         deadline = time.monotonic() + 900

@@ -65,9 +65,9 @@ def _generate(args) -> int:
     if args.spec:
         drafted, accepted = req.stats["drafted"], req.stats["accepted"]
         by_pos = ", ".join(f"{a / max(req.stats['steps'], 1):.2f}" for a in req.stats["accepted_by_position"])
-        print(f"[zoo] MTP k={args.spec} ({args.spec_policy}): acceptance {accepted / max(drafted, 1):.2f} "
-              f"({accepted}/{drafted}), by draft position [{by_pos}], "
-              f"{(n - 1) / max(req.stats['steps'], 1):.2f} tokens/step", file=sys.stderr)
+        print(f"[zoo] MTP k={args.spec}: acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted}), "
+              f"by draft position [{by_pos}], {(n - 1) / max(req.stats['steps'], 1):.2f} tokens/step "
+              f"({args.spec_policy} policy)", file=sys.stderr)
         for source, by in sorted(req.stats.get("spec", {}).items()):
             if source != "lengths":
                 rates = ", ".join(f"{a / t:.2f}" if t else "-" for a, t in zip(by["accepted"], by["tried"]))
@@ -144,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipe)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
-    g.add_argument("--spec-policy", default="auto", choices=["auto", "fixed"],
-                   help="with --spec K: auto chooses each step's draft lengths (0..K) and sources (MTP or prompt "
-                        "lookup) from step costs and acceptance; fixed drafts K MTP tokens every step")
+    g.add_argument("--spec-policy", default="fixed", choices=["fixed", "auto"],
+                   help="with --spec K: fixed drafts K MTP tokens every step (a seed reproduces a sampled output); "
+                        "auto chooses each step's draft lengths (0..K) and sources (MTP or prompt lookup) from step "
+                        "costs and acceptance (sampled outputs keep their distribution, not their seeded tokens)")
     g.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
     g.set_defaults(fn=_generate)
 

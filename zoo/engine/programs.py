@@ -56,6 +56,11 @@ class ProgramSet:
                         "decode off": (functools.partial(self._step_impl, k_run=0), (1,))}[name]
         return jax.jit(impl, donate_argnums=donate, keep_unused=keep_unused)
 
+    @property
+    def drafts_off(self) -> bool:
+        """Whether the set has the step with drafting off (the auto speculation policy runs it)."""
+        return bool(self.k) and self.spec_policy.mode == "auto"
+
     def abstract_plan(self) -> dict:
         """The speculation policy's per-row inputs of the K-draft step (``zoo.engine.speculative``)."""
         small, b = self._replicated_struct, self._B
@@ -98,7 +103,7 @@ class ProgramSet:
                   small((), jnp.bool_))
         out = [(f"decode B={b} L={L}" + (f" MTP k={self.k}" if self.k else ""), self.program("decode", keep_unused),
                 decode + ((self.abstract_plan(),) if self.k else ()))]
-        if self.k:                              # the speculation policy's step with drafting off
+        if self.drafts_off:                     # the auto speculation policy's step with drafting off
             out.append((f"decode B={b} L={L} MTP drafts off", self.program("decode off", keep_unused), decode))
         row = self.abstract_batch(1, L)["cache"]
         h = small((1, self.model.config.hidden_size), self.model.module.dtype)
@@ -148,7 +153,7 @@ class ProgramSet:
         seconds) per program. The batch is left empty."""
         timings: list[tuple[str, float]] = []
         images = [] if self._images is None else self._images.warmup_names(self.prefill_widths)
-        total = len(self.prefill_widths) + 3 + bool(self.k) + (self.prefix is not None) + len(images)
+        total = len(self.prefill_widths) + 3 + self.drafts_off + (self.prefix is not None) + len(images)
 
         def timed(name, fn):
             t0 = time.perf_counter()
@@ -195,7 +200,7 @@ class ProgramSet:
             self._batch = out[0]
             return out
         timed("decode" + (f" MTP k={self.k}" if self.k else ""), lambda: decode(False))
-        if self.k:
+        if self.drafts_off:
             timed("decode MTP drafts off", lambda: decode(False, off=True))
         timed("decode with token masks", lambda: decode(True))
         if self.prefix is not None:

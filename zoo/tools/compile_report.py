@@ -200,7 +200,7 @@ class _Session:
 
     def generator(self, spec_tokens: int, batch: int, context: int, chunk: int = 1024) -> Generator:
         return Generator(self.model, spec_tokens=spec_tokens, max_batch=batch, context=context, prefill_chunk=chunk,
-                         memory_budget=1 << 62, prefix_cache=0)
+                         memory_budget=1 << 62, prefix_cache=0, spec_policy="auto")
 
     def decode(self, batch: int, context: int, spec_tokens: int, drafts_off: bool = False) -> dict:
         """The server's decode step (``Generator.program_set``) at ``batch`` rows of ``context`` tokens;
