@@ -133,10 +133,6 @@ class Plan:
     active: int = 0                              # rows decoding this step (the batch size it is timed at)
     matches: list | None = None                  # per row: the n-gram length of its lookup match (0: none)
 
-    @property
-    def k_run(self) -> int:
-        return 0 if self.option == "off" else -1          # -1: the K-draft program
-
     def arrays(self) -> dict:
         return {"len": self.lengths, "drafts": self.drafts, "host": self.host}
 
