@@ -144,10 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quant", default=None, help="quantization recipe (see zoo.quant.recipe)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--spec", type=int, default=0, metavar="K", help="MTP speculative draft length (0: off)")
-    g.add_argument("--spec-policy", default="fixed", choices=["fixed", "auto"],
-                   help="with --spec K: fixed drafts K MTP tokens every step (a seed reproduces a sampled output); "
-                        "auto chooses each step's draft lengths (0..K) and sources (MTP or prompt lookup) from step "
-                        "costs and acceptance (sampled outputs keep their distribution, not their seeded tokens)")
+    serve.add_spec_policy(g)
     g.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
     g.set_defaults(fn=_generate)
 

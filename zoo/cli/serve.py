@@ -55,6 +55,15 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def add_spec_policy(parser) -> None:
+    """``--spec-policy`` (``zoo.engine.spec_policy``), for ``zoo serve`` and ``zoo generate``."""
+    parser.add_argument("--spec-policy", default="fixed", choices=["fixed", "auto"],
+                        help="with --spec K: fixed drafts K MTP tokens every step (a seed reproduces a sampled "
+                             "output); auto chooses each step's draft lengths (0..K) and sources (MTP or prompt "
+                             "lookup) from step costs and acceptance (sampled outputs keep their distribution, "
+                             "not their seeded tokens)")
+
+
 def add_commands(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic APIs (default: the tiny model)")
     s.add_argument("--model", default="qwen38-tiny", help="registry name or checkpoint path")
@@ -63,10 +72,7 @@ def add_commands(sub) -> None:
     s.add_argument("--mesh", default=None, help="device mesh layout for zoo.load (tp, ep)")
     s.add_argument("--spec", type=int, default=0, metavar="K",
                    help="MTP speculative decoding with at most K drafts per step (0: off)")
-    s.add_argument("--spec-policy", default="fixed", choices=["fixed", "auto"],
-                   help="with --spec K: fixed drafts K MTP tokens every step (a seed reproduces a sampled output); "
-                        "auto chooses each step's draft lengths (0..K) and sources (MTP or prompt lookup) from step "
-                        "costs and acceptance (sampled outputs keep their distribution, not their seeded tokens)")
+    add_spec_policy(s)
     s.add_argument("--mtp", default=None, metavar="DIR", help="an MTP overlay (zoo fit-mtp) applied to the model")
     s.add_argument("--mmproj", default=None, metavar="FILE",
                    help="a llama.cpp multimodal projector GGUF: the vision tower of a model loaded from a GGUF "

@@ -292,7 +292,7 @@ class Generator(ProgramSet, Admission):
             k = self.k if k_run is None else k_run
             cache, carry, tokens, n, logits = speculative.spec_step(model, cache, carry, active, row_keys(params),
                                                                     params, k, force, cap, with_logits=True,
-                                                                    plan=plan if k else None)
+                                                                    plan=plan)
         else:
             logits, _, cache = model(carry["tok"][:, None], active[:, None], cache)
             carry, new = pick_next(carry["tok"], params, logits[:, 0], active, force)

@@ -6,8 +6,8 @@ batch state a configuration holds per device.
     program(name)        -> jitted "decode" (batch donated), "decode off" (a speculative generator's
                             step with drafting off) or "prefill" (one-row cache donated)
     program_set()        -> [(name, program, abstract args)]: decode at rows x L (with k MTP
-                            drafts when speculating, and then also with drafting off: the
-                            speculation policy's two programs) and a prefill at each of ``prefill_widths``
+                            drafts when speculating, and under the auto speculation policy
+                            also with drafting off) and a prefill at each of ``prefill_widths``
                             (and, for a model with a vision tower, one with image inputs at each)
     masked_chain()       -> [(part, name, program, args_from)]: the decode step split around grammar
                             token masks (logits, pick; or draft, verify, settle), as they run

@@ -155,7 +155,7 @@ class Leader:
         plan = {"events": [{"submit": r.replica_id, "args": r.replica_args} if kind == "submit"
                            else {"cancel": r.replica_id, "choice": r.choice} for kind, r in events]}
         policy = self.gen.spec_policy
-        if policy is not None:                          # the step costs it decides from, as the followers
+        if policy is not None and policy.mode == "auto":    # the step costs it decides from, as the followers
             plan["spec"] = json.loads(json.dumps(policy.export()))
             policy.load(plan["spec"])
         self.channel.put(self.n, plan)

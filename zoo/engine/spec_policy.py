@@ -61,11 +61,17 @@ class Acceptance:
     def add(self, length: int, accepted: int, capped: bool) -> None:
         """A step that proposed ``length`` drafts and accepted the first ``accepted``; ``capped``: the
         step could not emit more (the rejection after them was not observed)."""
-        for i in range(accepted):
-            self.tried[i] += 1
-            self.accepted[i] += 1
-        if accepted < length and not capped:
-            self.tried[accepted] += 1
+        count_step(self.tried, self.accepted, length, accepted, capped)
+
+
+def count_step(tried: list, accepted_at: list, length: int, accepted: int, capped: bool) -> None:
+    """``Acceptance.add`` on lists by position: the drafts the verify reached (the accepted ones and
+    the first rejected one, unless the step was capped before it) and the accepted ones."""
+    for i in range(accepted):
+        tried[i] += 1
+        accepted_at[i] += 1
+    if accepted < length and not capped:
+        tried[accepted] += 1
 
 
 
@@ -267,11 +273,7 @@ class SpecPolicy:
             self.pool[source if source == "mtp" else f"lookup{plan.matches[r]}"].add(length, accepted, capped)
             spec = req.stats.setdefault("spec", {})
             by = spec.setdefault(source, {"tried": [0] * self.k, "accepted": [0] * self.k})
-            tried = min(length, accepted + (0 if capped else 1))
-            for i in range(tried):
-                by["tried"][i] += 1
-            for i in range(accepted):
-                by["accepted"][i] += 1
+            count_step(by["tried"], by["accepted"], length, accepted, capped)
             hist = spec.setdefault("lengths", {})
             hist[str(length)] = hist.get(str(length), 0) + 1
         if seconds is None or self.mode == "fixed":

@@ -48,9 +48,10 @@ def accept(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greed
     """Exact rejection sampling.
 
     keys [B] (one per row); p [B, k+1, V] target distributions at the k+1 verify positions;
-    q [B, k, V] the distributions the drafts were drawn from (one-hot for a draft that was certain,
-    zero past a row's proposed drafts); drafts [B, k]; greedy [B] (temperature 0: accept iff the
-    draft is the argmax of p); lengths [B]: the drafts each row proposed (default k).
+    q [B, k, V] the distributions the drafts were drawn from (one-hot for a draft that was certain;
+    ignored past a row's proposed drafts, where the extra token is the bonus from p); drafts [B, k];
+    greedy [B] (temperature 0: accept iff the draft is the argmax of p); lengths [B]: the drafts each
+    row proposed (default k).
     Returns (n_accepted [B] in 0..lengths, extra token [B]).
     """
     proposed = (jnp.ones(drafts.shape, bool) if lengths is None
@@ -74,6 +75,7 @@ def _accept_sampled(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Arr
     b, k = drafts.shape
     split = jax.vmap(jax.random.split)(keys)                              # [B, 2]
     u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(split[:, 0])
+    q = jnp.where(proposed[..., None], q, 0.0)                          # q = 0 past the proposals: the bonus
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     ok = jnp.where(greedy[:, None], drafts == jnp.argmax(p[:, :k], axis=-1), u * q_d < p_d) & proposed
@@ -162,12 +164,11 @@ def verify(model: CausalLMContract, cache: ModelCache, x_m: jax.Array, drafts: j
 
 def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Array, h: jax.Array, q: jax.Array,
            drafts: jax.Array, active: jax.Array, keys: jax.Array, params: dict, force: jax.Array | None = None,
-           cap: jax.Array | None = None, mask: jax.Array | None = None, lengths: jax.Array | None = None,
-           width: int | None = None):
+           cap: jax.Array | None = None, mask: jax.Array | None = None, lengths: jax.Array | None = None):
     """Phase 3: accept (the target logits masked by ``mask`` [B, k+1, W] token bitmasks, if given:
     the target distribution is then the masked one, see ``zoo.engine.token_mask``; a row's drafts
     past its ``lengths`` [B] were not proposed), apply ``cap`` / ``force``, roll back. Returns
-    (cache, pending (padded to ``width`` rows, default k+1), tokens [B, k+1], n_tokens [B])."""
+    (cache, pending, tokens [B, k+1], n_tokens [B])."""
     k = drafts.shape[1]
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     greedy = temp <= 0
@@ -175,10 +176,8 @@ def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Arr
     if mask is not None:
         p_logits = apply_token_mask(p_logits, mask)
     p = probs(p_logits, temp, top_k, top_p)
-    if lengths is not None:                   # an unproposed draft is never accepted; past it, the bonus
-        q = jnp.where((jnp.arange(k)[None, :] < lengths[:, None])[..., None], q, 0.0)
     n_acc, extra = accept(sub[:, k], p, q, drafts, greedy, lengths)
-    if cap is not None and k:                                 # (with no drafts a row emits one token)
+    if cap is not None:
         limit = jnp.maximum(cap, 1) - 1
         past = n_acc > limit                                  # then drafts[limit] was accepted: emit it last
         extra = jnp.where(past, jnp.take_along_axis(drafts, jnp.minimum(limit, k - 1)[:, None], axis=1)[:, 0], extra)
@@ -189,11 +188,9 @@ def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Arr
     n_keep = jnp.where(active, n_acc + 1, 0)
     cache = model.rollback(cache, before, n_keep)
     pos = jnp.arange(k + 1)[None, :]
-    drafts_ext = jnp.concatenate([drafts, drafts[:, -1:] if k else extra[:, None]], axis=1)
+    drafts_ext = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
     tokens = jnp.where(pos == n_acc[:, None], extra[:, None], drafts_ext).astype(jnp.int32)
-    pad = (width or k + 1) - (k + 1)
-    pending = {"h": jnp.pad(h, ((0, 0), (0, pad), (0, 0))), "tok": jnp.pad(tokens, ((0, 0), (0, pad))),
-               "n": n_acc + 1}
+    pending = {"h": h, "tok": tokens, "n": n_acc + 1}
     return cache, pending, tokens, n_keep
 
 
@@ -203,8 +200,8 @@ def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active:
     """One speculative decode step for every row (see module docstring): ``draft``, ``verify`` and
     ``settle`` in one program.
 
-    pending: ``{"h": [B, P, D], "tok": [B, P] int32, "n": [B] int32}`` rows for the MTP (P >= k+1:
-    the batch's width, the most drafts any of its programs makes + 1);
+    pending: ``{"h": [B, P, D], "tok": [B, P] int32, "n": [B] int32}`` rows for the MTP (P: the
+    batch's width, the generator's k + 1; ``k`` is P - 1, or 0 for the step with drafting off);
     active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B];
     force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token;
     cap [B] int32 (optional): a row emits at most ``cap`` (>= 1) tokens this step (accepted drafts past
@@ -220,7 +217,7 @@ def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active:
     cache, drafts, q, x_m = draft(model, cache, pending, active, keys, params, k, plan)
     p_logits, h, cache, before = verify(model, cache, x_m, drafts, active, lengths)
     cache, new, tokens, n_keep = settle(model, cache, before, p_logits, h, q, drafts, active, keys, params,
-                                       force, cap, lengths=lengths, width=pending["tok"].shape[1])
+                                       force, cap, lengths=lengths)
     new = keep_inactive(pending, {**new, "h": new["h"].astype(pending["h"].dtype)}, active)
     if with_logits:
         return cache, new, tokens, n_keep, p_logits
