@@ -188,28 +188,30 @@ class Model:
             raise ValueError("mtp_logits needs at least 2 tokens per row")
         return host_value(self._mtp_fn(self._state, ids, mask)).astype(np.float32)
 
-    def generator(self, spec_tokens: int = 0, spec_policy: str = "fixed"):
+    def generator(self, spec_tokens: int = 0, spec_policy: str = "auto"):
         """The continuous-batching ``Generator`` for this model (one per draft length and speculation
-        policy: "fixed" drafts ``spec_tokens`` every step, "auto" chooses per step, ``zoo.engine.spec_policy``)."""
+        policy: "auto" chooses each step's drafts, ``zoo.engine.spec_policy``; "fixed" drafts
+        ``spec_tokens`` every step)."""
         key = (spec_tokens, spec_policy if spec_tokens else None)
         if key not in self._generators:
             self._generators[key] = Generator(self, spec_tokens=spec_tokens, spec_policy=spec_policy)
         return self._generators[key]
 
     def generate(self, input_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, stop=None, spec_tokens: int = 0, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, images=None):
+                 top_k: int = 0, seed: int = 0, stop=None, spec_tokens: int = 0, spec_policy: str = "auto",
+                 logprobs: int | None = None, prompt_logprobs: int | None = None, images=None):
         """Generate for each prompt in ``input_ids`` (a list of token lists) -> list[Generation].
 
         ``stop``: token ids and/or strings (a stop string ends the output right before it:
         ``Generation.tokens`` end before the token in which it starts, ``Generation.text`` keeps the
         characters of that token before it); ``spec_tokens`` k > 0 drafts k tokens per step with the
-        model's MTP head (output identical to plain decoding at temperature 0). ``logprobs`` /
+        model's MTP head at most (``spec_policy``: ``generator``'s; the output is plain decoding's,
+        sampled tokens included). ``logprobs`` /
         ``prompt_logprobs`` N: ``Generation.logprobs`` / ``.prompt_logprobs``, a ``TokenLogprob``
         per generated / prompt token with N alternatives (``max_new_tokens`` 0: the prompt's only).
         ``images``: per prompt, its ``zoo.engine.request.ImageInput``s in order (each fills its run of
         ``config.image_token_id`` placeholders; ``zoo.engine.image_prefill``)."""
-        gen = self.generator(spec_tokens)
+        gen = self.generator(spec_tokens, spec_policy)
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                   stop=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         if images is None:
@@ -226,6 +228,6 @@ class Model:
             gen.step()
         return [r.result() for r in reqs]
 
-    def stream(self, input_ids, *, spec_tokens: int = 0, **kwargs):
+    def stream(self, input_ids, *, spec_tokens: int = 0, spec_policy: str = "auto", **kwargs):
         """Iterator over the generated token ids of one prompt (a list of ints)."""
-        return self.generator(spec_tokens).stream(input_ids, **kwargs)
+        return self.generator(spec_tokens, spec_policy).stream(input_ids, **kwargs)

@@ -221,7 +221,7 @@ def test_choices_share_one_compile_and_walk_independently(model, vocab):
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_constrained_decoding_always_valid(model, k):
-    gen = Generator(model, spec_tokens=k, max_batch=8)
+    gen = Generator(model, spec_tokens=k, spec_policy="fixed", max_batch=8)
     g = OutputGrammar(G.json_schema(SCHEMA, strict=True))
     outs = []
     for seed in range(4):
@@ -235,7 +235,8 @@ def test_constrained_decoding_always_valid(model, k):
 def test_speculative_constrained_equals_plain_greedy(model):
     g = OutputGrammar(G.json_schema(SCHEMA, strict=True))
     plain = Generator(model, max_batch=4).generate([PROMPT], max_new_tokens=120, grammar=g)[0]
-    spec = Generator(model, spec_tokens=3, max_batch=4).generate([PROMPT], max_new_tokens=120, grammar=g)[0]
+    spec = Generator(model, spec_tokens=3, spec_policy="fixed", max_batch=4).generate([PROMPT], max_new_tokens=120,
+                                                                                      grammar=g)[0]
     assert plain.tokens == spec.tokens and plain.finish_reason == "stop"
 
 
@@ -246,7 +247,7 @@ def test_split_step_with_all_allowed_masks_is_the_fused_step(model, k):
     g = OutputGrammar(G.regex("[a-z ]{0,400}"))
     runs = []
     for with_neighbour in (False, True):
-        gen = Generator(model, spec_tokens=k, max_batch=4)
+        gen = Generator(model, spec_tokens=k, spec_policy="fixed", max_batch=4)
         free = gen.submit(gen.make_request(PROMPT, max_new_tokens=24, temperature=1.0, seed=5))
         if with_neighbour:
             gen.submit(gen.make_request(PROMPT[:2], max_new_tokens=40, temperature=1.0, seed=6, grammar=g))
@@ -321,7 +322,7 @@ def test_draft_masks_past_the_budget_cap_the_row_and_the_output_stands(model):
     deadline, so a constrained row takes one token per step; the output is plain greedy's."""
     g = OutputGrammar(G.json_schema(SCHEMA, strict=True))
     plain = Generator(model, max_batch=4).generate([PROMPT], max_new_tokens=120, grammar=g)[0]
-    gen = Generator(model, spec_tokens=2, max_batch=4)
+    gen = Generator(model, spec_tokens=2, spec_policy="fixed", max_batch=4)
     gen.mask_schedule.share = 0.0
     out = gen.generate([PROMPT], max_new_tokens=120, grammar=g)[0]
     assert out.tokens == plain.tokens

@@ -94,7 +94,7 @@ def test_a_row_with_nan_logits_fails_alone_and_is_not_cached(model, solo, spec):
     """Row b's cache is poisoned with NaN before the second step: b fails with a clear error, a and
     c are untouched, and b's prompt and a continuation of b's conversation afterwards decode as on a
 fresh engine (the broken state was not cached)."""
-    gen = Generator(model, max_batch=4, spec_tokens=spec)
+    gen = Generator(model, max_batch=4, spec_tokens=spec, spec_policy="fixed")
     real, calls = gen._step_fn, []
 
     def step(state, batch, *args, **kwargs):
@@ -112,7 +112,8 @@ fresh engine (the broken state was not cached)."""
     assert run(gen, "b")["b"].tokens == solo["b"]
     # a continuation of b's conversation restores b's prompt from the prefix cache, never the broken row
     cont = PROMPTS["b"] + reqs["b"].raw + [7]
-    expected = Generator(model, max_batch=4, spec_tokens=spec).generate([cont], max_new_tokens=NEW)[0].tokens
+    expected = Generator(model, max_batch=4, spec_tokens=spec, spec_policy="fixed").generate(
+        [cont], max_new_tokens=NEW)[0].tokens
     resumed = gen.generate([cont], max_new_tokens=NEW)[0]
     assert resumed.finish_reason != "error" and resumed.tokens == expected
     assert resumed.stats["cached_tokens"] == len(PROMPTS["b"])

@@ -49,7 +49,7 @@ def test_the_buckets_are_powers_of_two_times_256_up_to_the_cap():
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     model = zoo.load(qwen_mm_checkpoint(tmp_path_factory.mktemp("qwen")), dtype="float32")
-    gen = Generator(model, spec_tokens=2, max_batch=2, context=1024, prefill_chunk=256,
+    gen = Generator(model, spec_tokens=2, spec_policy="fixed", max_batch=2, context=1024, prefill_chunk=256,
                     prefix_cache=PrefixCache(GB, GB, 16), max_image_tokens=CAP)
     progress = []
     gen.warmup(lambda *a: progress.append(a))
@@ -131,8 +131,8 @@ def test_glm_warmed_compiles_nothing_for_images_of_any_grid(tmp_path_factory):
     from tests.support.multimodal_checkpoints import glm_mm_checkpoint
 
     model = zoo.load(glm_mm_checkpoint(tmp_path_factory.mktemp("glm")), dtype="float32")
-    gen = Generator(model, spec_tokens=1, max_batch=1, context=256, prefill_chunk=16, prefix_cache=0,
-                    max_image_tokens=40)
+    gen = Generator(model, spec_tokens=1, spec_policy="fixed", max_batch=1, context=256, prefill_chunk=16,
+                    prefix_cache=0, max_image_tokens=40)
     assert gen._images.buckets == (40,) and gen.prefill_widths == (16,) and not gen._images.positions
     names = [name for name, _, _ in gen.program_set()]
     assert names[-1] == f"prefill width=16 L={gen._L} with images + MTP rows" and len(names) == 3

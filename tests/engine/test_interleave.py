@@ -30,7 +30,8 @@ def models():
 
 def engine(model, k: int, prefix: bool = False) -> Generator:
     cache = PrefixCache(2**30, 2**30, 64) if prefix else 0
-    gen = Generator(model, spec_tokens=k, max_batch=4, context=1024, prefill_chunk=CHUNK, prefix_cache=cache)
+    gen = Generator(model, spec_tokens=k, spec_policy="fixed", max_batch=4, context=1024, prefill_chunk=CHUNK,
+                    prefix_cache=cache)
     gen.eos_token_ids = frozenset()          # the stream runs its full length (it must outlast the prefill)
     return gen
 

@@ -90,7 +90,7 @@ def test_plain_decoding_logprobs_match_full_forward(model):
 def test_speculative_logprobs_equal_plain(model, bigram, which, k):
     m = model if which == "shipped" else bigram
     plain = m.generate([PROMPT, LONG], max_new_tokens=N_NEW, logprobs=4)
-    spec = m.generate([PROMPT, LONG], max_new_tokens=N_NEW, logprobs=4, spec_tokens=k)
+    spec = m.generate([PROMPT, LONG], max_new_tokens=N_NEW, logprobs=4, spec_tokens=k, spec_policy="fixed")
     for p, s in zip(plain, spec):
         assert s.tokens == p.tokens
         np.testing.assert_allclose([r.logprob for r in s.logprobs], [r.logprob for r in p.logprobs], atol=TOL)
@@ -103,7 +103,7 @@ def test_speculative_logprobs_equal_plain(model, bigram, which, k):
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_prompt_logprobs_over_prefill_chunks(model, k):
-    gen = Generator(model, spec_tokens=k, prefill_chunk=16)
+    gen = Generator(model, spec_tokens=k, spec_policy="fixed", prefill_chunk=16)
     out = gen.generate([LONG], max_new_tokens=0, prompt_logprobs=2)[0]
     assert out.tokens == [] and out.finish_reason == "length" and out.logprobs is None
     recs = out.prompt_logprobs

@@ -38,11 +38,12 @@ def words(seed: int, n: int, vocab: int = 200) -> list[int]:
 
 
 def cached(model, k=0, device=GB, host=GB, **kw) -> Generator:
-    return Generator(model, spec_tokens=k, prefill_chunk=CHUNK, prefix_cache=PrefixCache(device, host, BLOCK), **kw)
+    return Generator(model, spec_tokens=k, spec_policy="fixed", prefill_chunk=CHUNK,
+                     prefix_cache=PrefixCache(device, host, BLOCK), **kw)
 
 
 def uncached(model, k=0) -> Generator:
-    return Generator(model, spec_tokens=k, prefill_chunk=CHUNK, prefix_cache=0)
+    return Generator(model, spec_tokens=k, spec_policy="fixed", prefill_chunk=CHUNK, prefix_cache=0)
 
 
 def converse(gen: Generator, turns: list[list[int]], **kw) -> list:
@@ -163,7 +164,8 @@ def test_entries_of_another_model_or_layout_are_never_used(models):
     prompt = words(80, 60)
     qwen = Generator(models["qwen38-tiny"], prefill_chunk=CHUNK, prefix_cache=shared)
     bigram = Generator(models["qwen38-tiny/bigram"], prefill_chunk=CHUNK, prefix_cache=shared)
-    spec = Generator(models["qwen38-tiny"], spec_tokens=2, prefill_chunk=CHUNK, prefix_cache=shared)
+    spec = Generator(models["qwen38-tiny"], spec_tokens=2, spec_policy="fixed", prefill_chunk=CHUNK,
+                     prefix_cache=shared)
     glm = Generator(models["glm53-tiny"], prefill_chunk=CHUNK, prefix_cache=shared)
     qwen.generate([prompt], max_new_tokens=4)
     again = prompt + words(81, 5)

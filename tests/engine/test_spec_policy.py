@@ -1,10 +1,11 @@
 """Speculation that pays (``zoo.engine.spec_policy``): per-step draft lengths and sources.
 
 - Prompt lookup proposes what followed the latest earlier occurrence of the context's last n-gram.
-- The rejection sampler with per-row draft lengths and certain (one-hot) proposals keeps the
-  target distribution; past a row's proposed drafts the bonus comes from the target alone.
-- Greedy output under ``auto`` (every option tried: drafting off, 1..K MTP drafts, prompt-lookup
-  drafts) is plain greedy decoding, for both tiny models and for a json_schema-constrained row.
+- The acceptance rule with per-row draft lengths and certain (lookup) proposals keeps the target
+  distribution; past a row's proposed drafts the bonus comes from the target alone.
+- Output under ``auto`` (every option tried: drafting off, 1..K MTP drafts, prompt-lookup drafts)
+  is plain decoding's, greedy and seeded sampled rows alike, for both tiny models and for a
+  json_schema-constrained row.
 - ``auto`` picks the option with the most tokens per second from the costs it timed.
 """
 
@@ -59,18 +60,18 @@ def test_expected_tokens_and_shrunk_acceptance():
 
 def test_lengths_and_certain_drafts_keep_the_target_distribution():
     """V = 6, k = 3: rows proposing 1 draft drawn from q (a MTP-like proposal) and rows proposing 3
-    certain drafts (lookup: q one-hot); 200k rows each. The first token is distributed as p_0 either
-    way, a length-1 row's bonus as p_1 (not the residual), a lookup row's second token as p_1."""
+    certain drafts (lookup); 200k rows each. The first token is distributed as p_0 either way, a
+    length-1 row's bonus as p_1, a lookup row's second token as p_1; a certain draft passes with
+    probability p(d)."""
     rng = np.random.default_rng(0)
     v, k, n = 6, 3, 200_000
     p = rng.dirichlet(np.ones(v), size=k + 1).astype(np.float32)
     q = rng.dirichlet(np.ones(v) * 0.5, size=k).astype(np.float32)
-    keys = jax.random.split(jax.random.key(2), n)
+    keys = jax.random.split(jax.random.key(2), n * (k + 1)).reshape(n, k + 1)
     run = jax.jit(accept)
-    drafts = jax.random.categorical(jax.random.key(3), jnp.log(q[0]), shape=(n,))
+    drafts = jax.vmap(lambda kk: jax.random.categorical(kk, jnp.log(q[0])))(keys[:, 0])   # coupled, as MTP's
     d = jnp.zeros((n, k), jnp.int32).at[:, 0].set(drafts)
-    qs = jnp.zeros((n, k, v)).at[:, 0].set(q[0])                  # past the proposed draft: q = 0
-    n_acc, extra = map(np.asarray, run(keys, jnp.broadcast_to(p, (n, k + 1, v)), qs, d, jnp.zeros(n, bool),
+    n_acc, extra = map(np.asarray, run(keys, jnp.broadcast_to(p, (n, k + 1, v)), d, jnp.zeros(n, bool),
                                         jnp.ones(n, jnp.int32)))
     assert n_acc.max() == 1
     first = np.where(n_acc >= 1, np.asarray(drafts), extra)
@@ -78,8 +79,8 @@ def test_lengths_and_certain_drafts_keep_the_target_distribution():
     assert tv(extra[n_acc == 1], p[1]) < 0.01                     # the bonus: p_1 itself
     certain = np.argmax(p[:k], axis=-1).astype(np.int32)           # likely drafts: many rows get far
     d = jnp.broadcast_to(certain, (n, k))
-    n_acc, extra = map(np.asarray, run(keys, jnp.broadcast_to(p, (n, k + 1, v)),
-                                       jax.nn.one_hot(d, v), d, jnp.zeros(n, bool), jnp.full(n, k, jnp.int32)))
+    n_acc, extra = map(np.asarray, run(keys, jnp.broadcast_to(p, (n, k + 1, v)), d, jnp.zeros(n, bool),
+                                       jnp.full(n, k, jnp.int32)))
     assert abs(np.mean(n_acc >= 1) - p[0][certain[0]]) < 0.01   # a certain draft passes with p(d)
     first = np.where(n_acc >= 1, certain[0], extra)
     assert tv(first, p[0]) < 0.01
@@ -116,9 +117,12 @@ def test_auto_picks_the_most_tokens_per_second():
     policy.table["d2@2"][0] = policy.table["d3@2"][0] = 5.0
     assert policy.plan(rows, active, cap, force).option == "off"
     table = policy.export()
-    follower = SpecPolicy(3, "auto", lookup=False)
+    follower = SpecPolicy(3, "auto", lookup=False, lockstep=True)
+    plan = follower.plan(rows, active, cap, force)             # in lockstep, no table loaded: as fixed
+    assert plan.option == "d3" and plan.lengths.tolist() == [3, 3]
     follower.load(table)
     assert follower.table == {key: list(v) for key, v in table.items()} and follower.shared
+    assert follower.plan(rows, active, cap, force).option == "d1"    # the exported medians: 1 draft at 1.1 s
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +149,27 @@ def costs(off: float, drafts: float) -> dict:
             for o in ("off", "d1", "d2", "d3") for b in (1, 2, 4)}
 
 
+SAMPLED = [dict(temperature=0.8, top_p=0.95, seed=3), dict(temperature=1.0, top_k=40, seed=11)]
+
+
+def generate_mixed(gen: Generator, prompts: list, n_new: int = 60) -> list:
+    """Each prompt greedy, then the first two again sampled (``SAMPLED``), in one batch."""
+    asks = [(p, {}) for p in prompts] + list(zip(prompts, SAMPLED))
+    reqs = [gen.submit(gen.make_request(p, max_new_tokens=n_new, **opts)) for p, opts in asks]
+    while not all(r.done.is_set() for r in reqs):
+        gen.step()
+    return [r.result() for r in reqs]
+
+
 @pytest.mark.parametrize("name", ["qwen38-tiny", "glm53-tiny"])
-def test_auto_greedy_equals_plain_greedy_with_every_option_and_lookup(models, name):
+def test_auto_output_equals_plain_decoding_greedy_and_sampled(models, name):
     """The same generator under three cost tables: drafting free (every row drafts, by MTP or
     lookup, whichever expects more), drafting dear (every step drafts nothing), and the policy's own
-    timings (every option tried first)."""
+    timings (every option tried first). Greedy rows and seeded sampled rows (beside each other) emit
+    plain decoding's tokens, whatever the drafts and their lengths."""
     model = models[name]
     prompts = [second_turn(model), [5, 17, 200, 33, 8, 91, 4, 250, 11], [300, 2, 77] * 6]
-    plain = Generator(model, max_batch=4, prefix_cache=0).generate(prompts, max_new_tokens=60)
+    plain = generate_mixed(Generator(model, max_batch=4, prefix_cache=0), prompts)
     gen = Generator(model, spec_tokens=K, spec_policy="auto", max_batch=4, prefix_cache=0)
     policy = gen.spec_policy
     runs = {}
@@ -163,21 +180,24 @@ def test_auto_greedy_equals_plain_greedy_with_every_option_and_lookup(models, na
         else:
             policy.load(table)
         before = dict(policy.chosen)
-        runs[label] = gen.generate(prompts, max_new_tokens=60)
+        runs[label] = generate_mixed(gen, prompts)
         for p, a in zip(plain, runs[label]):
             assert a.tokens == p.tokens and a.finish_reason == p.finish_reason, label
         runs[label + " options"] = {o: policy.chosen[o] - before[o] for o in policy.options}
+    assert len({tuple(p.tokens) for p in plain[:2] + plain[3:]}) == 4        # sampling changed the outputs
+    accepted = [sum(a.stats.get("spec", {}).get("mtp", {}).get("accepted", [0])) for a in runs["free"][3:]]
+    assert sum(accepted) > 0, accepted                                       # sampled rows accepted drafts too
     free = runs["free options"]                  # drafting off only where no row can draft (its last token)
     assert free["off"] < sum(free.values()) // 4 and free["d3"] > 0, free
     assert runs["dear options"] == {"off": sum(runs["dear options"].values()), "d1": 0, "d2": 0, "d3": 0}
     assert all(n >= MIN_SAMPLES for n in runs["timed options"].values()), runs["timed options"]
-    spec = [a.stats.get("spec", {}) for a in runs["free"]]
+    spec = [a.stats.get("spec", {}) for a in runs["free"][:3]]
     tried = {s: sum(sum(x.get(s, {}).get("tried", [0])) for x in spec) for s in ("mtp", "lookup")}
     accepted = sum(sum(x.get("lookup", {}).get("accepted", [0])) for x in spec)
     print(f"{name}: drafting free: drafts reached {tried}, lookup drafts accepted {accepted}; "
           f"timed: {runs['timed options']}")
     assert tried["mtp"] > 0 and tried["lookup"] > 0 and accepted > 0
-    assert sum(a.stats["drafted"] for a in runs["free"]) == sum(sum(int(n) * c for n, c in x["lengths"].items())
+    assert sum(a.stats["drafted"] for a in runs["free"][:3]) == sum(sum(int(n) * c for n, c in x["lengths"].items())
                                                                  for x in spec)
 
 

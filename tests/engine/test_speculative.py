@@ -55,7 +55,7 @@ CASES = [(m, 2) for m in MODELS] + [(m + "/bigram", k) for m in MODELS for k in 
 def test_spec_greedy_equals_plain_greedy(models, plain_runs, which, k):
     model = models[which]
     plain = plain_runs[which]
-    spec = model.generate(PROMPTS, max_new_tokens=N_NEW, spec_tokens=k)
+    spec = model.generate(PROMPTS, max_new_tokens=N_NEW, spec_tokens=k, spec_policy="fixed")
     for p, s in zip(plain, spec):
         assert s.tokens == p.tokens and s.finish_reason == p.finish_reason
         assert s.stats["drafted"] == k * s.stats["steps"]
@@ -71,7 +71,7 @@ def test_spec_greedy_equals_plain_greedy(models, plain_runs, which, k):
 def test_streams_joining_and_leaving_match_solo_runs(models, plain_runs, name, k):
     which = name + "/bigram"
     alone = {i: g.tokens for i, g in enumerate(plain_runs[which])}
-    gen = Generator(models[which], spec_tokens=k, max_batch=3)   # 3 rows: stream 3 takes the row stream 1 freed
+    gen = Generator(models[which], spec_tokens=k, spec_policy="fixed", max_batch=3)   # stream 3 takes stream 1's row
     lengths = [N_NEW, 5, N_NEW, 9]
     reqs = {0: gen.submit(gen.make_request(PROMPTS[0], max_new_tokens=lengths[0]))}
     for _ in range(3):
@@ -94,7 +94,8 @@ def test_spec_respects_stop_tokens(models, plain_runs):
     full = plain_runs[which][0].tokens
     stop = full[6]
     first = full.index(stop)
-    spec = models[which].generate([PROMPTS[0]], max_new_tokens=N_NEW, stop=[stop], spec_tokens=3)[0]
+    spec = models[which].generate([PROMPTS[0]], max_new_tokens=N_NEW, stop=[stop], spec_tokens=3,
+                                  spec_policy="fixed")[0]
     assert spec.tokens == full[:first] and spec.finish_reason == "stop"
 
 
@@ -109,19 +110,22 @@ def test_spec_stops_at_a_stop_string_as_plain_decoding(models, plain_runs, k):
     needle = text[at:at + 2]
     kw = dict(max_new_tokens=N_NEW, stop=[needle])
     plain = models[which].generate([PROMPTS[0]], **kw)[0]
-    spec = models[which].generate([PROMPTS[0]], spec_tokens=k, **kw)[0]
+    spec = models[which].generate([PROMPTS[0]], spec_tokens=k, spec_policy="fixed", **kw)[0]
     assert (plain.finish_reason, plain.stats["stop_sequence"], plain.text) == ("stop", needle, text[:text.find(needle)])
     assert (spec.tokens, spec.text, spec.finish_reason, spec.stats["stop_sequence"]) == \
         (plain.tokens, plain.text, "stop", needle)
     assert spec.stats["accepted"] > 0
 
 
-def test_sampled_spec_is_reproducible_and_batch_independent(models):
+def test_sampled_spec_is_plain_sampling_whatever_the_batch_and_policy(models):
+    """A seeded sampled row's tokens are plain decoding's (a token's random draw follows its output
+    position), alone or in a batch, under fixed drafts and under the auto policy."""
     model = models["glm53-tiny/bigram"]
     kw = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=5)
-    a = model.generate([PROMPTS[1]], spec_tokens=2, **kw)[0].tokens
+    plain = model.generate([PROMPTS[1]], **kw)[0].tokens
+    a = model.generate([PROMPTS[1]], spec_tokens=2, spec_policy="fixed", **kw)[0]
     b = model.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], spec_tokens=2, **kw)[1].tokens
-    assert a == b
+    assert a.tokens == b == plain and a.stats["accepted"] > 0
 
 
 def tv(samples: np.ndarray, p: np.ndarray) -> float:
@@ -129,36 +133,58 @@ def tv(samples: np.ndarray, p: np.ndarray) -> float:
     return 0.5 * float(np.abs(counts - p).sum())
 
 
-def test_rejection_sampler_reproduces_target_distribution():
-    """V = 6, k = 2, fixed target p_0..p_2 and draft q_1, q_2; 200k independent rows."""
+def position_keys(n: int, width: int, seed: int) -> jax.Array:
+    return jax.random.split(jax.random.key(seed), n * width).reshape(n, width)
+
+
+def plain_samples(keys: jax.Array, p: np.ndarray) -> np.ndarray:
+    """What plain decoding samples at each position: ``draw`` with that position's key."""
+    from zoo.engine.sampling import draw
+    n, width = keys.shape
+    return np.stack([np.asarray(draw(keys[:, i], jnp.broadcast_to(p[i], (n, p.shape[-1])), jnp.zeros(n, bool)))
+                     for i in range(width)], axis=1)
+
+
+def test_acceptance_emits_the_plain_samples_and_keeps_the_target_distribution():
+    """V = 6, k = 2, fixed target p_0..p_2 and draft distribution q_1, q_2; 200k rows. Drafts drawn
+    with the position's key (coupled, as the MTP drafts) or with other keys: either way every emitted
+    token is the one plain decoding samples with that position's key, so the first token is
+    distributed as p_0, the second (after an accepted first) as p_1, the bonus as p_2. Coupled drafts
+    agree with the target's sample with probability between (1 - TV) / (1 + TV) and 1 - TV
+    (TV(p, q): rejection sampling's rate is 1 - TV)."""
     rng = np.random.default_rng(0)
     v, k, n = 6, 2, 200_000
     p = rng.dirichlet(np.ones(v), size=k + 1).astype(np.float32)
     q = rng.dirichlet(np.ones(v) * 0.5, size=k).astype(np.float32)
-    key_d, key_a = jax.random.split(jax.random.key(0))
-    drafts = jnp.stack([jax.random.categorical(kk, jnp.log(q[i]), shape=(n,))
-                        for i, kk in enumerate(jax.random.split(key_d, k))], axis=1)
-    n_acc, extra = jax.jit(accept)(jax.random.split(key_a, n), jnp.broadcast_to(p, (n, k + 1, v)),
-                                   jnp.broadcast_to(q, (n, k, v)), drafts.astype(jnp.int32),
-                                   jnp.zeros((n,), bool))
-    n_acc, extra, drafts = np.asarray(n_acc), np.asarray(extra), np.asarray(drafts)
-    first = np.where(n_acc >= 1, drafts[:, 0], extra)
-    assert tv(first, p[0]) < 0.01
-    second = np.where(n_acc >= 2, drafts[:, 1], extra)[n_acc >= 1]    # given the first was accepted
-    assert tv(second, p[1]) < 0.01
-    bonus = extra[n_acc == k]
-    assert bonus.size > 1000 and tv(bonus, p[2]) < 0.03
-    # Acceptance rate of draft 1 is sum(min(p, q)).
-    assert abs(np.mean(n_acc >= 1) - np.minimum(p[0], q[0]).sum()) < 0.01
+    keys = position_keys(n, k + 1, 0)
+    s = plain_samples(keys, p)
+    for coupled in (True, False):
+        draft_keys = keys if coupled else position_keys(n, k + 1, 1)
+        drafts = plain_samples(draft_keys[:, :k], q)
+        n_acc, extra = map(np.asarray, jax.jit(accept)(keys, jnp.broadcast_to(p, (n, k + 1, v)),
+                                                       jnp.asarray(drafts, jnp.int32), jnp.zeros((n,), bool)))
+        emitted = np.where(np.arange(k + 1)[None] < n_acc[:, None], np.pad(drafts, ((0, 0), (0, 1))), -1)
+        emitted[np.arange(n), n_acc] = extra
+        valid = np.arange(k + 1)[None] <= n_acc[:, None]
+        assert np.array_equal(emitted[valid], s[valid])                       # the plain samples, token for token
+        assert np.array_equal(n_acc, np.sum(np.cumprod(drafts == s[:, :k], axis=1), axis=1))
+        assert tv(emitted[:, 0], p[0]) < 0.01
+        assert tv(emitted[n_acc >= 1, 1], p[1]) < 0.01
+        bonus = extra[n_acc == k]
+        assert bonus.size > 1000 and tv(bonus, p[2]) < 0.03
+        rate, tv0 = np.mean(n_acc >= 1), 0.5 * np.abs(p[0] - q[0]).sum()
+        if coupled:
+            assert (1 - tv0) / (1 + tv0) - 0.01 < rate < 1 - tv0 + 0.01
+        else:
+            assert abs(rate - float(p[0] @ q[0])) < 0.01                  # independent: sum p q
 
 
 def test_greedy_acceptance_is_argmax_equality():
     p = jnp.asarray([[[0.1, 0.7, 0.2], [0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]])
-    q = jnp.asarray([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
-    keys = jax.random.split(jax.random.key(1), 1)
-    n, extra = accept(keys, p, q, jnp.asarray([[1, 0]]), jnp.asarray([True]))
+    keys = position_keys(1, 3, 1)
+    n, extra = accept(keys, p, jnp.asarray([[1, 0]]), jnp.asarray([True]))
     assert int(n[0]) == 2 and int(extra[0]) == 2
-    n, extra = accept(keys, p, q, jnp.asarray([[1, 2]]), jnp.asarray([True]))
+    n, extra = accept(keys, p, jnp.asarray([[1, 2]]), jnp.asarray([True]))
     assert int(n[0]) == 1 and int(extra[0]) == 0
 
 
@@ -170,20 +196,19 @@ def test_all_greedy_batches_take_the_argmax_branch_with_the_mixed_batches_tokens
     rng = np.random.default_rng(3)
     b, k, v = 6, 3, 11
     p = jnp.asarray(rng.dirichlet(np.ones(v), size=(b, k + 1)), jnp.float32)
-    q = jnp.asarray(rng.dirichlet(np.ones(v), size=(b, k)), jnp.float32)
     drafts = jnp.asarray(np.where(rng.random((b, k)) < 0.7, np.argmax(np.asarray(p[:, :k]), -1),
                                   rng.integers(0, v, (b, k))), jnp.int32)
-    keys = jax.random.split(jax.random.key(2), b)
+    keys = position_keys(b, k + 1, 2)
     greedy = jnp.ones((b,), bool)
     mixed = greedy.at[0].set(False)
-    n_all, extra_all = jax.jit(accept)(keys, p, q, drafts, greedy)
-    n_mix, extra_mix = jax.jit(accept)(keys, p, q, drafts, mixed)
+    n_all, extra_all = jax.jit(accept)(keys, p, drafts, greedy)
+    n_mix, extra_mix = jax.jit(accept)(keys, p, drafts, mixed)
     assert np.array_equal(np.asarray(n_all)[1:], np.asarray(n_mix)[1:])
     assert np.array_equal(np.asarray(extra_all)[1:], np.asarray(extra_mix)[1:])
     assert sorted(set(np.asarray(n_all).tolist())) != [k]                 # some rows reject
-    assert np.array_equal(np.asarray(jax.jit(draw)(keys, p[:, 0], greedy))[1:],
-                          np.asarray(jax.jit(draw)(keys, p[:, 0], mixed))[1:])
-    assert np.array_equal(np.asarray(draw(keys, p[:, 0], greedy)), np.argmax(np.asarray(p[:, 0]), -1))
+    assert np.array_equal(np.asarray(jax.jit(draw)(keys[:, 0], p[:, 0], greedy))[1:],
+                          np.asarray(jax.jit(draw)(keys[:, 0], p[:, 0], mixed))[1:])
+    assert np.array_equal(np.asarray(draw(keys[:, 0], p[:, 0], greedy)), np.argmax(np.asarray(p[:, 0]), -1))
 
 
 @pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("qwen38-tiny/bigram", 2), ("glm53-tiny/bigram", 3)])
@@ -194,7 +219,7 @@ def test_thinking_budget_forces_the_close_and_the_model_continues_from_it(models
     length limit or its own end of turn); on the first prompt where the model neither closes its
     thinking by itself nor ends within the budget (plus a step's drafts)."""
     model, budget, n_new = models[which], 5, 14
-    gen = model.generator(spec_tokens=k)
+    gen = model.generator(spec_tokens=k, spec_policy="fixed")
     insert, close = list(gen.thinking_budget(budget).insert), set(gen.thinking_budget(budget).close)
     i = next((i for i, run in enumerate(plain_runs[which])
               if len(run.tokens) > budget + k and not close & set(run.tokens[:budget + k])), None)

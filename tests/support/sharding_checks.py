@@ -92,7 +92,7 @@ def generate_and_check(model, reference_logits_fn, vocab: int, spec_tokens: int)
     logits = reference_logits_fn(ids)
     argmax = logits[:, PROMPT - 1:].argmax(-1).tolist()
     assert argmax == tokens, (argmax, tokens)
-    spec = [g.tokens for g in model.generate(ps, max_new_tokens=NEW, spec_tokens=spec_tokens)]
+    spec = [g.tokens for g in model.generate(ps, max_new_tokens=NEW, spec_tokens=spec_tokens, spec_policy="fixed")]
     assert spec == tokens, (spec, tokens)
     return {"ids": ids, "tokens": tokens, "cache_leaves_split": split}
 
@@ -253,10 +253,11 @@ def prefix_cache(paths: dict, layouts: dict[str, list[str]], drafts: dict[str, l
         ref = zoo.load(path, dtype="float32")
         for k in (drafts or {}).get(name, (0, 2)):
             shape = {"prefill_chunk": 32, "context": 256, "max_batch": 2}
-            want = converse(Generator(ref, spec_tokens=k, prefix_cache=0, **shape))
+            want = converse(Generator(ref, spec_tokens=k, spec_policy="fixed", prefix_cache=0, **shape))
             for layout in layouts[name]:
                 sharded = zoo.load(path, dtype="float32", mesh=layout)
-                gen = Generator(sharded, spec_tokens=k, prefix_cache=PrefixCache(2**30, 2**30, 16), **shape)
+                gen = Generator(sharded, spec_tokens=k, spec_policy="fixed", prefix_cache=PrefixCache(2**30, 2**30, 16),
+                                **shape)
                 got = converse(gen)
                 err = 0.0
                 for g, w in zip(got, want):

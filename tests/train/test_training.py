@@ -100,7 +100,7 @@ def test_training_only_mtp_freezes_the_rest(models, name):
 
 
 def acceptance(model, prompt) -> tuple[float, list[int]]:
-    out = Generator(model, spec_tokens=2).generate([prompt], max_new_tokens=16)[0]
+    out = Generator(model, spec_tokens=2, spec_policy="fixed").generate([prompt], max_new_tokens=16)[0]
     return out.stats["accepted"] / out.stats["drafted"], out.stats["accepted_by_position"]
 
 

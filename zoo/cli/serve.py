@@ -57,11 +57,11 @@ def _non_negative(text: str) -> float:
 
 def add_spec_policy(parser) -> None:
     """``--spec-policy`` (``zoo.engine.spec_policy``), for ``zoo serve`` and ``zoo generate``."""
-    parser.add_argument("--spec-policy", default="fixed", choices=["fixed", "auto"],
-                        help="with --spec K: fixed drafts K MTP tokens every step (a seed reproduces a sampled "
-                             "output); auto chooses each step's draft lengths (0..K) and sources (MTP or prompt "
-                             "lookup) from step costs and acceptance (sampled outputs keep their distribution, "
-                             "not their seeded tokens)")
+    parser.add_argument("--spec-policy", default="auto", choices=["auto", "fixed"],
+                        help="with --spec K (the most drafts per step): auto (default) chooses each step's draft "
+                             "lengths (0..K) and sources (MTP or prompt lookup) from step costs and acceptance; "
+                             "fixed drafts K MTP tokens every step. Either way a row's tokens are plain "
+                             "decoding's (a seed reproduces a sampled output)")
 
 
 def add_commands(sub) -> None:

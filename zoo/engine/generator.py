@@ -102,7 +102,7 @@ from zoo.engine.prefix_rows import PrefixRows
 from zoo.engine.programs import ProgramSet
 from zoo.engine.request import Generation, ImageInput, Request
 from zoo.engine.rows import default_host_tier, default_memory_budget, first_token, place
-from zoo.engine.sampling import flag_nonfinite, row_keys
+from zoo.engine.sampling import flag_nonfinite, position_keys
 from zoo.engine.spec_policy import SpecPolicy
 from zoo.engine.thinking_budget import ThinkingBudget
 from zoo.sharding.cache_axes import shard_cache
@@ -124,7 +124,7 @@ class Generator(ProgramSet, Admission):
     def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, context: int | None = None,
                  memory_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefix_cache: PrefixCache | float | None = None, prefix_cache_host_gb: float | None = None,
-                 prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024, spec_policy: str = "fixed"):
+                 prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024, spec_policy: str = "auto"):
         """``max_batch``: the most rows (fewer if ``memory_budget`` holds fewer, see ``rows``); ``context``:
         tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the model's positions if
         fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
@@ -132,13 +132,13 @@ class Generator(ProgramSet, Admission):
         quarter of ``memory_budget``); ``prefix_cache_host_gb``: the host-RAM tier (None:
         ``rows.default_host_tier``); ``prefix_block``: tokens per cached block (a power of two dividing
         ``CACHE_BUCKET``); ``max_image_tokens``: merged rows per image at most (``image_prefill.image_buckets``);
-        ``spec_policy``: with ``spec_tokens``, "fixed" (k MTP drafts every step) or "auto" (each step's
-        draft lengths and sources chosen from costs and acceptance, ``zoo.engine.spec_policy``)."""
+        ``spec_policy``: with ``spec_tokens``, "auto" (each step's draft lengths and sources chosen from
+        costs and acceptance, ``zoo.engine.spec_policy``) or "fixed" (k MTP drafts every step)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
         self.k, self.max_image_tokens = int(spec_tokens), int(max_image_tokens)
-        self.spec_policy = SpecPolicy(self.k, spec_policy) if self.k else None
+        self.spec_policy = SpecPolicy(self.k, spec_policy, lockstep=jax.process_count() > 1) if self.k else None
         self._ran: set[str] = set()                        # decode programs run (timed from their second run)
         if prefill_chunk < PREFILL_MIN or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
@@ -290,15 +290,15 @@ class Generator(ProgramSet, Admission):
         cache, carry, params = batch["cache"], batch["carry"], batch["params"]
         if self.k:
             k = self.k if k_run is None else k_run
-            cache, carry, tokens, n, logits = speculative.spec_step(model, cache, carry, active, row_keys(params),
-                                                                    params, k, force, cap, with_logits=True,
-                                                                    plan=plan)
+            cache, carry, tokens, n, logits = speculative.spec_step(model, cache, carry, active,
+                                                                    position_keys(params, k + 1), params, k, force,
+                                                                    cap, with_logits=True, plan=plan)
         else:
             logits, _, cache = model(carry["tok"][:, None], active[:, None], cache)
             carry, new = pick_next(carry["tok"], params, logits[:, 0], active, force)
             tokens, n = new[:, None], active.astype(jnp.int32)
+        params = {**params, "step": params["step"] + n}          # the output position of each row's next token
         n = flag_nonfinite(n, logits)
-        params = {**params, "step": params["step"] + active.astype(jnp.int32)}
         batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
         return batch, tokens, n, maybe_token_logprobs(want_lp, logits, tokens)
 
@@ -505,13 +505,13 @@ class Generator(ProgramSet, Admission):
             self.mask_schedule.fill(masks, rows)
             return p.pick(batch, logits, active, force, masks[:, :1], want)
         arrays = plan.arrays() if plan is not None else None
-        batch, drafts, q, x_m = p.draft(self._state, self._batch, active, arrays)
+        batch, drafts, x_m = p.draft(self._state, self._batch, active, arrays)
         host_drafts = host_value(drafts)
         batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active, arrays)
         if plan is not None:
             np.minimum(cap, plan.lengths + 1, out=cap)                          # no mask past a row's drafts
         self.mask_schedule.fill(masks, rows, host_drafts, cap)               # while the verify runs
-        return p.settle(self._state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want, arrays)
+        return p.settle(self._state, batch, before, p_logits, h, drafts, active, force, cap, masks, want, arrays)
 
     def _room(self, req: Request) -> int:
         """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""

@@ -8,11 +8,11 @@ step is cut where the logits exist, the host fills the masks while the device ru
     plain:  logits(state, batch, active)                  -> batch (cache advanced), logits [B, 1, V]
             host: masks [B, 1, W] from the constraints    (overlaps the forward)
             pick(batch, logits, active, force, masks)     -> batch, tokens [B, 1], n [B]
-    MTP:    draft(state, batch, active, plan)             -> batch, drafts [B, k], q [B, k, V], x_m [B]
+    MTP:    draft(state, batch, active, plan)             -> batch, drafts [B, k], x_m [B]
             host: reads the drafts (small)
             verify(state, batch, x_m, drafts, active, plan) -> batch, p_logits [B, k+1, V], h, before
             host: masks [B, k+1, W], drafts consumed tentatively (overlaps the verify forward)
-            settle(state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want, plan)
+            settle(state, batch, before, p_logits, h, drafts, active, force, cap, masks, want, plan)
                                                           -> batch, tokens [B, k+1], n [B]
 
 The parts compute exactly what the fused step computes (same keys, same order); with all-ones
@@ -33,7 +33,7 @@ from flax import nnx
 
 from zoo.engine import speculative
 from zoo.engine.logprobs import maybe_token_logprobs
-from zoo.engine.sampling import flag_nonfinite, row_keys, sample
+from zoo.engine.sampling import flag_nonfinite, position_keys, row_keys, sample
 from zoo.engine.token_mask import apply_token_mask
 from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import on_mesh
@@ -89,9 +89,9 @@ class MaskedPrograms:
 
     def _draft(self, state, batch, active, plan=None):
         params = batch["params"]
-        cache, drafts, q, x_m = speculative.draft(self._model(state), batch["cache"], batch["carry"], active,
-                                                  row_keys(params), params, self.k, plan)
-        return {**batch, "cache": shard_cache(cache)}, drafts, q, x_m
+        cache, drafts, x_m = speculative.draft(self._model(state), batch["cache"], batch["carry"], active,
+                                               position_keys(params, self.k + 1), params, self.k, plan)
+        return {**batch, "cache": shard_cache(cache)}, drafts, x_m
 
     def _verify(self, state, batch, x_m, drafts, active, plan=None):
         lengths = None if plan is None else plan["len"]
@@ -101,12 +101,12 @@ class MaskedPrograms:
         # the cache's declared axes) until ``settle`` rolls back to one
         return {**batch, "cache": cache}, p_logits, h, before
 
-    def _settle(self, state, batch, before, p_logits, h, q, drafts, active, force, cap, masks, want_lp, plan=None):
+    def _settle(self, state, batch, before, p_logits, h, drafts, active, force, cap, masks, want_lp, plan=None):
         params, carry = batch["params"], batch["carry"]
-        cache, pending, tokens, n = speculative.settle(self._model(state), batch["cache"], before, p_logits, h, q,
-                                                       drafts, active, row_keys(params), params, force, cap, masks,
-                                                       None if plan is None else plan["len"])
+        cache, pending, tokens, n = speculative.settle(self._model(state), batch["cache"], before, p_logits, h,
+                                                       drafts, active, position_keys(params, self.k + 1), params,
+                                                       force, cap, masks, None if plan is None else plan["len"])
         pending = speculative.keep_inactive(carry, {**pending, "h": pending["h"].astype(carry["h"].dtype)}, active)
         batch = {"cache": shard_cache(cache), "carry": pending,
-                 "params": {**params, "step": params["step"] + active.astype(jnp.int32)}}
+                 "params": {**params, "step": params["step"] + n}}          # the output position of the next token
         return batch, tokens, flag_nonfinite(n, p_logits), maybe_token_logprobs(want_lp, p_logits, tokens)

@@ -136,10 +136,10 @@ class ProgramSet:
         plan = self.abstract_plan() if k else None
         make = {"logits": lambda o: (w, batch, active),                              # -> batch, logits
                 "pick": lambda o: (*o["logits"], active, force, masks, want),
-                "draft": lambda o: (w, batch, active, plan),                         # -> batch, drafts, q, x_m
-                "verify": lambda o: (w, o["draft"][0], o["draft"][3], o["draft"][1], active, plan),
+                "draft": lambda o: (w, batch, active, plan),                         # -> batch, drafts, x_m
+                "verify": lambda o: (w, o["draft"][0], o["draft"][2], o["draft"][1], active, plan),
                 "settle": lambda o: (w, o["verify"][0], o["verify"][3], o["verify"][1], o["verify"][2],
-                                     o["draft"][2], o["draft"][1], active, force, cap, masks, want, plan)}
+                                     o["draft"][1], active, force, cap, masks, want, plan)}
         shape = f" B={b} L={L}" + (f" k={k}" if k else "")
         return [(name, f"decode with token masks: {name}{shape}", parts.jitted(name, keep_unused), make[name])
                 for name in parts.parts]

@@ -1,14 +1,16 @@
 """On-device token sampling: greedy, temperature, top-k, top-p, with a PRNG key per row.
 
     probs(logits [B, ..., V], temperature [B], top_k [B], top_p [B]) -> the sampling distribution
-    draw(keys [B], p [B, V], greedy [B]) -> tokens [B]
+    draw(keys [B], p [B, V], greedy [B]) -> tokens [B] (Gumbel-max: argmax of log p + the key's noise)
     sample(logits [B, V], keys [B], temperature [B], top_k [B], top_p [B]) -> tokens [B] int32
     flag_nonfinite(n [B], logits [B, ..., V]) -> n, with -1 where a row's logits hold a NaN or inf
 
 A row with ``temperature == 0`` takes the argmax; ``top_k == 0`` and ``top_p >= 1`` disable those
-filters. Keys are per row (derived from the request's seed and its own step count), so a request's
-samples do not depend on which other requests share its batch. Everything is jit-able; the
-parameters are arrays, so one compiled program serves any mix of requests.
+filters. Keys are per row and output position (``row_keys``, ``position_keys``: the request's seed
+and the token's position in its output), so a request's samples depend neither on which other
+requests share its batch nor on how many tokens each step emits (speculative decoding samples what
+plain decoding does). Everything is jit-able; the parameters are arrays, so one compiled program
+serves any mix of requests.
 """
 
 from __future__ import annotations
@@ -18,8 +20,20 @@ import jax.numpy as jnp
 
 
 def row_keys(params: dict) -> jax.Array:
-    """This step's PRNG key per row: the row's ``seed`` [B] folded with its own ``step`` count [B]."""
+    """The PRNG key of each row's next output token [B]: the row's ``seed`` [B] folded with the
+    token's output position ``step`` [B] (the tokens it has emitted; 0 for the first, which the
+    prefill's logits give)."""
     return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params["seed"], params["step"])
+
+
+def position_keys(params: dict, n: int) -> jax.Array:
+    """[B, n] PRNG keys of each row's next ``n`` output tokens: the row's ``seed`` folded with the
+    token's output position (``step`` [B] is the position of the next one). A token's key depends on
+    its position alone, not on the steps that emit it: speculative steps (several tokens each) sample
+    what plain steps (one each) would (``zoo.engine.speculative``). ``row_keys`` is column 0."""
+    positions = params["step"][:, None] + jnp.arange(n, dtype=params["step"].dtype)[None, :]
+    return jax.vmap(lambda s, ts: jax.vmap(lambda t: jax.random.fold_in(jax.random.key(s), t))(ts))(
+        params["seed"], positions)
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

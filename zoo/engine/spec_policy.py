@@ -29,7 +29,9 @@ to be accepted at ``LOOKUP_PRIORS`` by match length, so that they are tried.
 Multi-process (``zoo.engine.replica``): decisions must be identical in every process, and timings
 are not. So a policy decides from its ``table`` (costs by option and batch size), which on one
 process follows its own timings, and over several processes is what the leader publishes with each
-step's plan (``export`` / ``load``); the rows' acceptance counts are the same everywhere.
+step's plan (``export`` / ``load``); the rows' acceptance counts are the same everywhere. A
+generator that several processes step in lockstep without a leader (``model.generate`` on every
+process of a multi-host mesh: ``lockstep``, and no table ever loaded) drafts as ``fixed`` does.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def batch_bucket(active: int) -> int:
 class SpecPolicy:
     """Chooses each step's ``Plan`` (see the module doc) for a generator drafting up to ``k``."""
 
-    def __init__(self, k: int, mode: str = "auto", lookup: bool = True):
+    def __init__(self, k: int, mode: str = "auto", lookup: bool = True, lockstep: bool = False):
         if mode not in MODES:
             raise ValueError(f"unknown speculation policy {mode!r}; expected one of {', '.join(MODES)}")
         if k < 1:
@@ -162,6 +164,7 @@ class SpecPolicy:
         self.timed_at: dict[str, int] = {}
         self.table: dict[str, list] = {}                # "option@bucket" -> [seconds, samples, step last timed]
         self.shared = False                             # True: ``table`` comes from ``load`` only
+        self.lockstep = lockstep                        # several processes run this generator's steps
         self.steps = 0
         self.pool = {"mtp": Acceptance(k), **{f"lookup{n}": Acceptance(k) for n in NGRAMS}}
         self.chosen = {o: 0 for o in self.options}      # steps per option
@@ -187,8 +190,8 @@ class SpecPolicy:
         b = len(rows)
         lengths, drafts = np.zeros(b, np.int32), np.zeros((b, self.k), np.int32)
         host, sources = np.zeros(b, bool), [None] * b
-        if self.mode == "fixed":
-            for r, req in enumerate(rows):
+        if self.mode == "fixed" or (self.lockstep and not self.shared):
+            for r, req in enumerate(rows):       # (processes in lockstep decide alike only from a shared table)
                 if active[r] and req is not None:
                     lengths[r], sources[r] = self.k, "mtp"
             return self._chose(Plan(f"d{self.k}", lengths, drafts, host, sources, int(active.sum())))

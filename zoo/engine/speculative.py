@@ -1,34 +1,41 @@
 """MTP speculative decoding: draft k tokens with the model's MTP head, verify them in one forward of
-k+1 tokens, accept by exact rejection sampling, roll back what the rejected tokens changed.
+k+1 tokens, accept the drafts that are what plain decoding would have sampled, roll back what the
+rejected tokens changed.
+
+Sampling is coupled to the token's position: the token at a row's output position n is drawn with
+the key ``fold_in(key(seed), n)`` (``sampling.position_keys``) by the Gumbel-max rule, in plain
+decoding as here. A step computes, at each verify position i, the token plain decoding would emit
+there (``s_i``, drawn from the target distribution p_i with position n+i's key), and accepts the
+leading drafts equal to it. The output is therefore *the* plain decoding output for the row's seed,
+token for token, whatever was drafted, by whom, and how many (exact in distribution a fortiori). An
+MTP draft is drawn from its own distribution q_i with the same key (the same Gumbel noise), so it
+agrees with s_i as often as q_i resembles p_i; at temperature 0 both are argmaxes.
 
 One decode step (``spec_step``, one compiled program for the whole model)::
 
     pending rows (h_t, x_{t+1}) -> MTP catch-up; the last row's output is draft 1   (q_1, o_1)
     chained drafts: MTP(o_{i-1}, d_{i-1}) -> d_i for i = 2..k (provisional MTP rows, dropped after)
     verify: model([x_m, d_1..d_k]) keeping the recurrent state after every token -> p_0..p_k, h
-    accept: j leading drafts pass ``u * q(d) < p(d)``; extra token from normalize(max(0, p_j - q_j))
-            (or from p_k when all k pass: the bonus); at temperature 0 this is "d_i == argmax p_i"
+    accept: s_i = sample(p_i, key n+i); j leading drafts with d_{i+1} == s_i; the extra token is s_j
     rollback: keep the j+1 tokens [x_m, d_1..d_j]: attention slots beyond become invalid, recurrent
               layers take the state after token j (``model.rollback``); the provisional MTP rows are
               undone with ``model.mtp_restore``
-
-The model provides ``__call__(..., keep_steps=True)``, ``rollback``, ``rollback_meta`` and
-``mtp_restore`` (the contract of ``zoo.models.contract``).
     next pending rows: (h_m, d_1) .. (h_{m+j-1}, d_j), (h_{m+j}, extra)       -- j+1 rows
 
-``accept`` is the sampler on its own (tested for distributional exactness).
+The model provides ``__call__(..., keep_steps=True)``, ``rollback``, ``rollback_meta`` and
+``mtp_restore`` (the contract of ``zoo.models.contract``). ``accept`` is the acceptance rule on its
+own (tested for the target distribution and against plain sampling).
 
 Per-row draft lengths and host drafts (``zoo.engine.spec_policy`` chooses them each step): ``plan``
 ``{"len": [B] int32 in 0..k, "drafts": [B, k] int32, "host": [B] bool}``. A row drafts ``len`` tokens:
 its verify positions past them are masked out (a MoE routes none of them) and only its first ``len``
-drafts can be accepted; when all are, the extra token is drawn from the target alone (the bonus).
+drafts can be accepted; when all are, the extra token is s_len (the bonus).
 A chained MTP draft runs only when some row drafts that far (``lax.cond``: a step costs what its
-longest row asks). A ``host`` row's drafts are ``plan["drafts"]`` (prompt lookup) with a proposal
-that is certain (q one-hot): rejection sampling against it is exact as for MTP drafts. Without a
-plan every row drafts k from the MTP head. ``spec_step(k=0)`` is the step with drafting off: the
-target on one token per row, whose row is appended to the pending ones; the MTP catch-up runs when
-some row's pending rows are full (every P steps: the MTP layer's cache keeps up at a fraction of the
-cost).
+longest row asks). A ``host`` row's drafts are ``plan["drafts"]`` (prompt lookup), accepted by the
+same rule. Without a plan every row drafts k from the MTP head. ``spec_step(k=0)`` is the step with
+drafting off: the target on one token per row, whose row is appended to the pending ones; the MTP
+catch-up runs when some row's pending rows are full (every P steps: the MTP layer's cache keeps up
+at a fraction of the cost).
 """
 
 from __future__ import annotations
@@ -43,51 +50,23 @@ from zoo.models.shared.cache import ModelCache
 from zoo.models.shared.layers import take_step
 
 
-def accept(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array,
+def accept(keys: jax.Array, p: jax.Array, drafts: jax.Array, greedy: jax.Array,
            lengths: jax.Array | None = None):
-    """Exact rejection sampling.
+    """The acceptance rule: the tokens plain decoding samples at the k+1 verify positions, and the
+    leading drafts equal to them.
 
-    keys [B] (one per row); p [B, k+1, V] target distributions at the k+1 verify positions;
-    q [B, k, V] the distributions the drafts were drawn from (one-hot for a draft that was certain;
-    ignored past a row's proposed drafts, where the extra token is the bonus from p); drafts [B, k];
-    greedy [B] (temperature 0: accept iff the draft is the argmax of p); lengths [B]: the drafts each
-    row proposed (default k).
-    Returns (n_accepted [B] in 0..lengths, extra token [B]).
+    keys [B, k+1] the PRNG key of each verify position's output token (``sampling.position_keys``);
+    p [B, k+1, V] the target distributions there; drafts [B, k]; greedy [B] (temperature 0: the
+    argmax); lengths [B]: the drafts each row proposed (default k; the rest cannot be accepted).
+    Returns (n_accepted [B] in 0..lengths, extra token [B]: the plain sample after the accepted ones).
     """
-    proposed = (jnp.ones(drafts.shape, bool) if lengths is None
-                else jnp.arange(drafts.shape[1])[None, :] < lengths[:, None])
-    return jax.lax.cond(jnp.all(greedy), lambda: _accept_greedy(p, drafts, proposed),
-                        lambda: _accept_sampled(keys, p, q, drafts, greedy, proposed))
-
-
-def _accept_greedy(p: jax.Array, drafts: jax.Array, proposed: jax.Array):
-    """``accept`` when every row is greedy: the drafts that are the argmax of p, then the argmax
-    after them (no random numbers, no residual distribution)."""
-    k = drafts.shape[1]
-    ok = (drafts == jnp.argmax(p[:, :k], axis=-1)) & proposed
+    b, width, v = p.shape
+    s = draw(keys.reshape(-1), p.reshape(-1, v), jnp.repeat(greedy, width)).reshape(b, width)
+    ok = drafts == s[:, :-1]
+    if lengths is not None:
+        ok = ok & (jnp.arange(drafts.shape[1])[None, :] < lengths[:, None])
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
-    return n_acc, jnp.argmax(p_j, axis=-1).astype(jnp.int32)
-
-
-def _accept_sampled(keys: jax.Array, p: jax.Array, q: jax.Array, drafts: jax.Array, greedy: jax.Array,
-                    proposed: jax.Array):
-    b, k = drafts.shape
-    split = jax.vmap(jax.random.split)(keys)                              # [B, 2]
-    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(split[:, 0])
-    q = jnp.where(proposed[..., None], q, 0.0)                          # q = 0 past the proposals: the bonus
-    p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
-    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    ok = jnp.where(greedy[:, None], drafts == jnp.argmax(p[:, :k], axis=-1), u * q_d < p_d) & proposed
-    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
-    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)       # q_k = 0: the bonus is p_k
-    q_j = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
-    residual = jnp.maximum(p_j - q_j, 0.0)
-    mass = residual.sum(-1, keepdims=True)
-    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_j)
-    residual = jnp.where(greedy[:, None], p_j, residual)      # greedy: the argmax of p_j itself
-    return n_acc, draw(split[:, 1], residual, greedy)
+    return n_acc, jnp.take_along_axis(s, n_acc[:, None], axis=1)[:, 0]
 
 
 def catch_up(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax.Array):
@@ -112,11 +91,11 @@ def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax
           params: dict, k: int, plan: dict | None = None):
     """Phase 1 of a step: MTP catch-up on the pending rows, then k chained drafts (a chained draft
     runs only where some row's ``plan["len"]`` reaches it; a ``plan["host"]`` row takes its
-    ``plan["drafts"]`` with one-hot q instead). Returns (cache, drafts [B, k] int32, q [B, k, V] the
-    draft distributions, x_m [B] the last emitted token, which the verify feeds first)."""
+    ``plan["drafts"]`` instead). Draft i is drawn with ``keys [B, k+1]``'s position i, the key of the
+    output token it proposes. Returns (cache, drafts [B, k] int32, x_m [B] the last emitted token,
+    which the verify feeds first)."""
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     greedy = temp <= 0
-    sub = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)           # [B, k+1]
     q_logits, o, cache = catch_up(model, cache, pending, active)
     mark = cache.mtp
     last = jnp.maximum(pending["n"] - 1, 0)
@@ -125,7 +104,7 @@ def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax
     chain = active if plan is None else active & ~plan["host"]          # the rows the MTP drafts for
     longest = jnp.max(jnp.where(chain, lengths, 0))
     q_i, o_i = take_step(q_logits, last), take_step(o, last)
-    qs, drafts = [], []
+    drafts = []
     for i in range(k):
         if i:
             def chained(mtp, o_prev=o_i, d_prev=drafts[-1], i=i):
@@ -137,15 +116,12 @@ def draft(model: CausalLMContract, cache: ModelCache, pending: dict, active: jax
                 return jnp.zeros_like(q_prev), jnp.zeros_like(o_prev), mtp
             q_i, o_i, mtp = jax.lax.cond(longest > i, chained, skipped, cache.mtp)
             cache = cache.replace(mtp=mtp)
-        qs.append(probs(q_i, temp, top_k, top_p))
-        drafts.append(draw(sub[:, i], qs[-1], greedy))
+        drafts.append(draw(keys[:, i], probs(q_i, temp, top_k, top_p), greedy))
     cache = model.mtp_restore(cache, mark)                              # drop the provisional rows
-    drafts, q = jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1)
+    drafts = jnp.stack(drafts, axis=1)
     if plan is not None:
-        host = plan["host"][:, None]
-        drafts = jnp.where(host, plan["drafts"], drafts).astype(jnp.int32)
-        q = jnp.where(host[..., None], jax.nn.one_hot(drafts, q.shape[-1], dtype=q.dtype), q)
-    return cache, drafts, q, x_m
+        drafts = jnp.where(plan["host"][:, None], plan["drafts"], drafts).astype(jnp.int32)
+    return cache, drafts, x_m
 
 
 def verify(model: CausalLMContract, cache: ModelCache, x_m: jax.Array, drafts: jax.Array, active: jax.Array,
@@ -162,21 +138,21 @@ def verify(model: CausalLMContract, cache: ModelCache, x_m: jax.Array, drafts: j
     return p_logits, h, cache, before
 
 
-def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Array, h: jax.Array, q: jax.Array,
+def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Array, h: jax.Array,
            drafts: jax.Array, active: jax.Array, keys: jax.Array, params: dict, force: jax.Array | None = None,
            cap: jax.Array | None = None, mask: jax.Array | None = None, lengths: jax.Array | None = None):
     """Phase 3: accept (the target logits masked by ``mask`` [B, k+1, W] token bitmasks, if given:
     the target distribution is then the masked one, see ``zoo.engine.token_mask``; a row's drafts
-    past its ``lengths`` [B] were not proposed), apply ``cap`` / ``force``, roll back. Returns
+    past its ``lengths`` [B] were not proposed; ``keys`` [B, k+1] as in ``accept``), apply ``cap`` /
+    ``force``, roll back. Returns
     (cache, pending, tokens [B, k+1], n_tokens [B])."""
     k = drafts.shape[1]
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     greedy = temp <= 0
-    sub = jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)
     if mask is not None:
         p_logits = apply_token_mask(p_logits, mask)
     p = probs(p_logits, temp, top_k, top_p)
-    n_acc, extra = accept(sub[:, k], p, q, drafts, greedy, lengths)
+    n_acc, extra = accept(keys, p, drafts, greedy, lengths)
     if cap is not None:
         limit = jnp.maximum(cap, 1) - 1
         past = n_acc > limit                                  # then drafts[limit] was accepted: emit it last
@@ -202,7 +178,8 @@ def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active:
 
     pending: ``{"h": [B, P, D], "tok": [B, P] int32, "n": [B] int32}`` rows for the MTP (P: the
     batch's width, the generator's k + 1; ``k`` is P - 1, or 0 for the step with drafting off);
-    active [B] bool; keys [B] this step's key per row; params: ``temperature, top_k, top_p`` [B];
+    active [B] bool; keys [B, k+1] the PRNG keys of each row's next k+1 output positions
+    (``sampling.position_keys``; [B, 1] when k = 0); params: ``temperature, top_k, top_p`` [B];
     force [B] int32 (optional): a row with ``force >= 0`` rejects every draft and emits that token;
     cap [B] int32 (optional): a row emits at most ``cap`` (>= 1) tokens this step (accepted drafts past
     the cap are dropped and rolled back; the last kept one is an accepted draft, so still exact);
@@ -214,9 +191,9 @@ def spec_step(model: CausalLMContract, cache: ModelCache, pending: dict, active:
     if not k:
         return _step_without_drafts(model, cache, pending, active, keys, params, force, with_logits)
     lengths = None if plan is None else plan["len"]
-    cache, drafts, q, x_m = draft(model, cache, pending, active, keys, params, k, plan)
+    cache, drafts, x_m = draft(model, cache, pending, active, keys, params, k, plan)
     p_logits, h, cache, before = verify(model, cache, x_m, drafts, active, lengths)
-    cache, new, tokens, n_keep = settle(model, cache, before, p_logits, h, q, drafts, active, keys, params,
+    cache, new, tokens, n_keep = settle(model, cache, before, p_logits, h, drafts, active, keys, params,
                                        force, cap, lengths=lengths)
     new = keep_inactive(pending, {**new, "h": new["h"].astype(pending["h"].dtype)}, active)
     if with_logits:
@@ -237,7 +214,7 @@ def _step_without_drafts(model, cache, pending, active, keys, params, force, wit
     cache = cache.replace(mtp=jax.lax.cond(full, caught_up, lambda mtp: mtp, cache.mtp))
     x_m = take_step(pending["tok"], jnp.maximum(pending["n"] - 1, 0))
     logits, h, cache = model(x_m[:, None], active[:, None], cache)
-    new = sample(logits[:, 0], keys, params["temperature"], params["top_k"], params["top_p"])
+    new = sample(logits[:, 0], keys[:, 0], params["temperature"], params["top_k"], params["top_p"])
     if force is not None:
         new = jnp.where(force >= 0, force, new)
     tokens, n_keep = new[:, None].astype(jnp.int32), active.astype(jnp.int32)

@@ -77,7 +77,7 @@ def _tool_call_format(tool_format: str | None, model) -> ToolCallFormat | None:
     return FORMATS[tool_format]
 
 
-def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_policy: str = "fixed",
+def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_policy: str = "auto",
                max_batch: int = 16,
                context: int | None = None, prefill_chunk: int = PREFILL_CHUNK, warmup: bool = False,
                on_warmup=None,
