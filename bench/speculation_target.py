@@ -47,7 +47,10 @@ def expected_tokens(acceptance: list[float], drafts: int) -> float:
     return total
 
 
-def step_seconds(program: dict) -> float:
+def step_seconds(program: dict) -> float | None:
+    """The step's estimate (None: the program does not fit the chips' memory)."""
+    if "roofline" not in program:
+        return None
     r = program["roofline"]
     return r["pallas"]["estimate_s"] + r["xla"]["estimate_s"]
 
@@ -59,18 +62,19 @@ def estimate(model: str, quant: str, batch: int, context: int, k: int) -> dict:
     assert "MTP" not in plain["name"] and f"MTP k={k}" in drafts["name"] and "drafts off" in off["name"], report
     return {"model": model, "quant": quant, "batch": batch, "context": context, "k": k,
             "seconds": {"plain": step_seconds(plain), "drafts": step_seconds(drafts), "off": step_seconds(off)},
-            "must_read": {"plain": plain["roofline"]["must_read"]["total"],
-                          "drafts": drafts["roofline"]["must_read"]["total"],
-                          "off": off["roofline"]["must_read"]["total"]},
-            "fits": all(p["fits"] for p in report["programs"])}
+            "must_read": {key: p["roofline"]["must_read"]["total"] if "roofline" in p else None
+                          for key, p in (("plain", plain), ("drafts", drafts), ("off", off))},
+            "fits": {"plain": plain["fits"], "drafts": drafts["fits"], "off": off["fits"]}}
 
 
 def rates(est: dict, acceptance: list[float]) -> dict:
-    """Tokens per second of plain, fixed and auto for one batch size (module doc)."""
+    """Tokens per second of plain, fixed and auto for one batch size (module doc); a program that
+    does not fit counts 0 (auto then never runs it)."""
     b, k, t = est["batch"], est["k"], est["seconds"]
-    drafting = max(b * expected_tokens(acceptance, d) / t["drafts"] for d in range(1, k + 1))
-    return {"plain": b / t["plain"], "fixed": b * expected_tokens(acceptance, k) / t["drafts"],
-            "auto": max(b / t["off"], drafting)}
+    per_s = lambda tokens, seconds: 0.0 if seconds is None else tokens / seconds          # noqa: E731
+    drafting = max(per_s(b * expected_tokens(acceptance, d), t["drafts"]) for d in range(1, k + 1))
+    return {"plain": per_s(b, t["plain"]), "fixed": per_s(b * expected_tokens(acceptance, k), t["drafts"]),
+            "auto": max(per_s(b, t["off"]), drafting)}
 
 
 def main() -> None:
@@ -90,14 +94,18 @@ def main() -> None:
         for b in args.batches:
             est = estimate(model, quant, b, args.context, args.spec)
             t, read = est["seconds"], est["must_read"]
-            head = (f"{b:4d} {1e3 * t['plain']:7.2f} {1e3 * t['drafts']:7.2f} {1e3 * t['off']:7.2f} "
-                    f"{read['plain'] / 2**30:5.2f}/{read['drafts'] / 2**30:5.2f}")
+            ms = lambda s: f"{'-':>7s}" if s is None else f"{1e3 * s:7.2f}"                  # noqa: E731
+            gib = lambda n: f"{'-':>5s}" if n is None else f"{n / 2**30:5.2f}"               # noqa: E731
+            head = (f"{b:4d} {ms(t['plain'])} {ms(t['drafts'])} {ms(t['off'])} "
+                    f"{gib(read['plain'])}/{gib(read['drafts'])}")
             for source, by_model in ACCEPTANCE.items():
                 r = rates(est, by_model[model])
                 est[source] = r
+                unfit = [name for name, ok in est["fits"].items() if not ok]
                 print(f"{head if source == 'mtp' else ' ' * len(head)} | {source:7s} {r['plain']:7.1f} "
                       f"{r['fixed']:7.1f} {r['auto']:7.1f} {r['fixed'] / r['plain']:10.2f}x "
-                      f"{r['auto'] / r['plain']:9.2f}x" + ("" if est["fits"] else "  (DOES NOT FIT)"), flush=True)
+                      f"{r['auto'] / r['plain']:9.2f}x" + (f"  (does not fit: {', '.join(unfit)})" if unfit else ""),
+                      flush=True)
             out.append(est)
     if args.json:
         with open(args.json, "w") as f:
