@@ -102,10 +102,10 @@ def main() -> None:
                 r = rates(est, by_model[model])
                 est[source] = r
                 unfit = [name for name, ok in est["fits"].items() if not ok]
+                ratio = lambda x: f"{x / r['plain']:10.2f}x" if r["plain"] else f"{'-':>11s}"   # noqa: E731
                 print(f"{head if source == 'mtp' else ' ' * len(head)} | {source:7s} {r['plain']:7.1f} "
-                      f"{r['fixed']:7.1f} {r['auto']:7.1f} {r['fixed'] / r['plain']:10.2f}x "
-                      f"{r['auto'] / r['plain']:9.2f}x" + (f"  (does not fit: {', '.join(unfit)})" if unfit else ""),
-                      flush=True)
+                      f"{r['fixed']:7.1f} {r['auto']:7.1f} {ratio(r['fixed'])} {ratio(r['auto'])[1:]}"
+                      + (f"  (does not fit: {', '.join(unfit)})" if unfit else ""), flush=True)
             out.append(est)
     if args.json:
         with open(args.json, "w") as f:
