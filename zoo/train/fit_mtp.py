@@ -7,8 +7,9 @@
     save_overlay(result, out_dir) -> manifest      ``zoo.load(..., mtp=out_dir)`` applies it
 
 The model writes its own training data: it continues the training prompts (greedy, or sampled with
-``temperature``) through the real speculative decoder (``Generator(model, spec_tokens=k)``, whose
-greedy output is plain decoding's), which also measures the acceptance *before* on the held-out
+``temperature``) through the real speculative decoder (``Generator(model, spec_tokens=k,
+spec_policy="fixed")``: k MTP drafts every step, whose output is plain decoding's), which also
+measures the acceptance *before* on the held-out
 prompts of the same run. The MTP layer is then trained on prompt + continuation with the main model
 frozen (``Trainer(trainable=..., lm_weight=0, mtp_weight=1, detach_hidden=True, mtp_teacher=T)``):
 each row's target is the main model's own prediction there, what the verify step will compare the
@@ -182,7 +183,7 @@ def fit_mtp(model, prompts=None, eval_prompts=None, *, steps: int = 200, new_tok
     train_model, paths, overlay, fresh = _training_model(model, trainable)
     say(f"{'new MTP layer; ' if fresh else ''}{len(paths)} trainable MTP parameters; generating "
         f"{len(prompts)} + {len(eval_prompts)} continuations of {new_tokens} tokens")
-    first = Generator(train_model if fresh else model, spec_tokens=spec_tokens, prefix_cache=0)
+    first = Generator(train_model if fresh else model, spec_tokens=spec_tokens, spec_policy="fixed", prefix_cache=0)
     outs = first.generate(list(prompts) + list(eval_prompts), max_new_tokens=new_tokens, temperature=temperature,
                           seed=seed)
     before = None if fresh else acceptance(outs[len(prompts):], spec_tokens)
@@ -208,7 +209,7 @@ def fit_mtp(model, prompts=None, eval_prompts=None, *, steps: int = 200, new_tok
     dtype = model.module.dtype
     fitted = rebuild(trained, train_model.config, {p: current[p].astype(dtype) for p in overlay}, model.mesh)
     fitted_model = Model(fitted, train_model.config, model.tokenizer, dict(model.load_info), mesh=model.mesh)
-    outs = Generator(fitted_model, spec_tokens=spec_tokens, prefix_cache=0).generate(
+    outs = Generator(fitted_model, spec_tokens=spec_tokens, spec_policy="fixed", prefix_cache=0).generate(
         list(eval_prompts), max_new_tokens=new_tokens, temperature=temperature, seed=seed)
     after = acceptance(outs, spec_tokens)
     summary = (f"acceptance (k={spec_tokens}) {_rate(before)} -> {_rate(after)}, by draft position "
