@@ -12,8 +12,8 @@ drafting d tokens emits 1 + a_1 + a_1 a_2 + ... tokens per step on average. Prin
 
     plain   rows / t(plain step)
     fixed   rows * E(K drafts) / t(K-draft step)
-    auto    the better of drafting off (rows / t(off)) and drafting (rows * E(d) / t(K-draft step) for
-            the best d): the policy's choice when its timings are these estimates. A step drafting
+    auto    the better of drafting off (rows / t(off)) and drafting (rows * E(K) / t(K-draft step)):
+            the policy's choice when its timings are these estimates. A step drafting
             d < K costs less than the K-draft estimate on the device (chained MTP drafts past d are
             skipped, masked verify positions route no experts) but the static estimate cannot see
             it, so auto's figure is a lower bound.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from zoo.engine.spec_policy import Acceptance, reach
 from zoo.tools.compile_report import compile_report
 
 # Acceptance by draft position, measured by bench/speculation.py on the demo models (2026-12-05).
@@ -39,12 +40,9 @@ CASES = [("glm53-flash", "UD-IQ3_XXS"), ("qwen38-27b", "bf16")]
 
 
 def expected_tokens(acceptance: list[float], drafts: int) -> float:
-    """Tokens a row emits per step drafting ``drafts`` tokens: 1 + a_1 + a_1 a_2 + ..."""
-    total, reach = 1.0, 1.0
-    for a in acceptance[:drafts]:
-        reach *= a
-        total += reach
-    return total
+    """Tokens a row emits per step drafting ``drafts`` tokens: 1 + a_1 + a_1 a_2 + ... (the policy's
+    own ``reach``, with no counts of the row's own: the given rates)."""
+    return reach(Acceptance(len(acceptance)), acceptance, drafts)[-1]
 
 
 def step_seconds(program: dict) -> float | None:
@@ -69,12 +67,12 @@ def estimate(model: str, quant: str, batch: int, context: int, k: int) -> dict:
 
 def rates(est: dict, acceptance: list[float]) -> dict:
     """Tokens per second of plain, fixed and auto for one batch size (module doc); a program that
-    does not fit counts 0 (auto then never runs it)."""
+    does not fit counts 0 (auto then never runs it). With every d costed as the K-draft program, the
+    best d is K: auto's drafting is fixed's."""
     b, k, t = est["batch"], est["k"], est["seconds"]
     per_s = lambda tokens, seconds: 0.0 if seconds is None else tokens / seconds          # noqa: E731
-    drafting = max(per_s(b * expected_tokens(acceptance, d), t["drafts"]) for d in range(1, k + 1))
-    return {"plain": per_s(b, t["plain"]), "fixed": per_s(b * expected_tokens(acceptance, k), t["drafts"]),
-            "auto": max(per_s(b, t["off"]), drafting)}
+    fixed = per_s(b * expected_tokens(acceptance, k), t["drafts"])
+    return {"plain": per_s(b, t["plain"]), "fixed": fixed, "auto": max(per_s(b, t["off"]), fixed)}
 
 
 def main() -> None:

@@ -133,7 +133,8 @@ def tv(samples: np.ndarray, p: np.ndarray) -> float:
     return 0.5 * float(np.abs(counts - p).sum())
 
 
-def position_keys(n: int, width: int, seed: int) -> jax.Array:
+def random_keys(n: int, width: int, seed: int) -> jax.Array:
+    """[n, width] independent PRNG keys (one per row and position)."""
     return jax.random.split(jax.random.key(seed), n * width).reshape(n, width)
 
 
@@ -156,10 +157,10 @@ def test_acceptance_emits_the_plain_samples_and_keeps_the_target_distribution():
     v, k, n = 6, 2, 200_000
     p = rng.dirichlet(np.ones(v), size=k + 1).astype(np.float32)
     q = rng.dirichlet(np.ones(v) * 0.5, size=k).astype(np.float32)
-    keys = position_keys(n, k + 1, 0)
+    keys = random_keys(n, k + 1, 0)
     s = plain_samples(keys, p)
     for coupled in (True, False):
-        draft_keys = keys if coupled else position_keys(n, k + 1, 1)
+        draft_keys = keys if coupled else random_keys(n, k + 1, 1)
         drafts = plain_samples(draft_keys[:, :k], q)
         n_acc, extra = map(np.asarray, jax.jit(accept)(keys, jnp.broadcast_to(p, (n, k + 1, v)),
                                                        jnp.asarray(drafts, jnp.int32), jnp.zeros((n,), bool)))
@@ -181,7 +182,7 @@ def test_acceptance_emits_the_plain_samples_and_keeps_the_target_distribution():
 
 def test_greedy_acceptance_is_argmax_equality():
     p = jnp.asarray([[[0.1, 0.7, 0.2], [0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]])
-    keys = position_keys(1, 3, 1)
+    keys = random_keys(1, 3, 1)
     n, extra = accept(keys, p, jnp.asarray([[1, 0]]), jnp.asarray([True]))
     assert int(n[0]) == 2 and int(extra[0]) == 2
     n, extra = accept(keys, p, jnp.asarray([[1, 2]]), jnp.asarray([True]))
@@ -198,7 +199,7 @@ def test_all_greedy_batches_take_the_argmax_branch_with_the_mixed_batches_tokens
     p = jnp.asarray(rng.dirichlet(np.ones(v), size=(b, k + 1)), jnp.float32)
     drafts = jnp.asarray(np.where(rng.random((b, k)) < 0.7, np.argmax(np.asarray(p[:, :k]), -1),
                                   rng.integers(0, v, (b, k))), jnp.int32)
-    keys = position_keys(b, k + 1, 2)
+    keys = random_keys(b, k + 1, 2)
     greedy = jnp.ones((b,), bool)
     mixed = greedy.at[0].set(False)
     n_all, extra_all = jax.jit(accept)(keys, p, drafts, greedy)

@@ -19,21 +19,20 @@ import jax
 import jax.numpy as jnp
 
 
-def row_keys(params: dict) -> jax.Array:
-    """The PRNG key of each row's next output token [B]: the row's ``seed`` [B] folded with the
-    token's output position ``step`` [B] (the tokens it has emitted; 0 for the first, which the
-    prefill's logits give)."""
-    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(params["seed"], params["step"])
-
-
 def position_keys(params: dict, n: int) -> jax.Array:
     """[B, n] PRNG keys of each row's next ``n`` output tokens: the row's ``seed`` folded with the
-    token's output position (``step`` [B] is the position of the next one). A token's key depends on
-    its position alone, not on the steps that emit it: speculative steps (several tokens each) sample
-    what plain steps (one each) would (``zoo.engine.speculative``). ``row_keys`` is column 0."""
+    token's output position (``step`` [B] is the position of the next one: the tokens the row has
+    emitted, 0 for the first, which the prefill's logits give). A token's key depends on its
+    position alone, not on the steps that emit it: speculative steps (several tokens each) sample
+    what plain steps (one each) would (``zoo.engine.speculative``)."""
     positions = params["step"][:, None] + jnp.arange(n, dtype=params["step"].dtype)[None, :]
     return jax.vmap(lambda s, ts: jax.vmap(lambda t: jax.random.fold_in(jax.random.key(s), t))(ts))(
         params["seed"], positions)
+
+
+def row_keys(params: dict) -> jax.Array:
+    """The PRNG key of each row's next output token [B] (``position_keys``' first column)."""
+    return position_keys(params, 1)[:, 0]
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -144,8 +144,7 @@ def settle(model: CausalLMContract, cache: ModelCache, before, p_logits: jax.Arr
     """Phase 3: accept (the target logits masked by ``mask`` [B, k+1, W] token bitmasks, if given:
     the target distribution is then the masked one, see ``zoo.engine.token_mask``; a row's drafts
     past its ``lengths`` [B] were not proposed; ``keys`` [B, k+1] as in ``accept``), apply ``cap`` /
-    ``force``, roll back. Returns
-    (cache, pending, tokens [B, k+1], n_tokens [B])."""
+    ``force``, roll back. Returns (cache, pending, tokens [B, k+1], n_tokens [B])."""
     k = drafts.shape[1]
     temp, top_k, top_p = params["temperature"], params["top_k"], params["top_p"]
     greedy = temp <= 0
