@@ -27,7 +27,8 @@ TOL = 1e-5
 
 # Tiny configs with the dims the 8-way splits need (heads, widths, experts divisible by 8), every
 # mechanism alive: GLM: KDA, MLA with a full and a shared indexer, dense + MoE (8 experts top-2 +
-# shared), 4 hyper-connection streams. Qwen: gated DeltaNet + gated attention.
+# shared), 4 hyper-connection streams. Qwen: gated DeltaNet + gated attention with 4 KV heads, as
+# Qwen3.8-27B: on "tp" (8-way) its KV cache is split over the slots, on "ep" (4-way tp) over the heads.
 GLM = {"model_type": "glm5_next_text", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
        "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8,
        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "q_lora_rank": 48,
@@ -38,7 +39,7 @@ GLM = {"model_type": "glm5_next_text", "vocab_size": 256, "hidden_size": 64, "in
        "num_nextn_predict_layers": 1}
 QWEN = {"model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
-        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16, "linear_num_key_heads": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16, "linear_num_key_heads": 4,
         "linear_num_value_heads": 8, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
         "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False}
 # float32 Qwen of ~200 MB whose largest tensor is 16 MB, for the host-memory check

@@ -24,12 +24,12 @@ from jax.sharding import Mesh
 
 from zoo.sharding.mesh import Axes, current_mesh, named_sharding, partition_spec
 
-TOKEN_AXES = ("cache_len", "latent_len", "pools")     # logical axes that run over the tokens of a row
+TOKEN_AXES = ("cache_len", "kv_len", "latent_len", "pools")     # logical axes that run over the tokens of a row
 
 
 def token_axis(axes: tuple) -> int | None:
     """The position of a cache leaf's per-token axis among its logical ``axes`` (None: no such
-    axis): slots (``cache_len``, ``latent_len``: one per token) or pools of tokens (``pools``)."""
+    axis): slots (``cache_len``, ``kv_len``, ``latent_len``: one per token) or pools of tokens (``pools``)."""
     hits = [i for i, a in enumerate(axes) if a in TOKEN_AXES]
     if len(hits) > 1:
         raise ValueError(f"a cache leaf with two token axes: {axes}")

@@ -54,6 +54,9 @@ TP_RULES: dict[str, str | None] = {
     # so a split by heads cannot shard them; each chip holds 1/tp of the slots (attention and the
     # indexer scores then reduce across chips)
     "latent_len": "tp", "pools": "tp",
+    # Qwen's KV cache slots: split where its KV heads (listed first, so they take "tp" where they
+    # divide over it) do not, e.g. Qwen3.8-27B's 4 KV heads on 8 chips
+    "kv_len": "tp",
     # the vision towers: heads and MLP widths split like the text model's, the tower's residual
     # stream, patch / position tables and the merger's input replicated
     "vision_heads": "tp", "vision_mlp": "tp", "vision_merger_mlp": "tp",

@@ -31,7 +31,7 @@ def case(length: int, filled: list[int], t: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("length,filled,t", [(1024, [0, 0], 5), (1024, [300, 40], 1), (768, [700, 10], 4),
-                                             (4096, [1500, 1500], 64), (200, [20, 5], 3)])
+                                             (4096, [1500, 1500], 64), (200, [20, 5], 3), (1100, [1000, 1090], 5)])
 def test_equals_whole_window(length, filled, t):
     q, c, sel, write_at = case(length, filled, t)
     ours = jax.jit(filled_latent_attention, static_argnums=4)(q, c, sel, write_at, C ** -0.5)
@@ -52,4 +52,21 @@ def test_row_independent_and_blocks_follow_fill():
     c_ = run(q, c, sel, jnp.asarray([60, 3000], jnp.int32), C ** -0.5, idle)
     assert np.array_equal(np.asarray(a[0]), np.asarray(c_[0])) and np.isfinite(np.asarray(c_)).all()
     assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
-    assert key_block(32768) == 512 and key_block(4160) is None
+    assert key_block(32768) == 512 and key_block(4160) == 512 and key_block(1000) == 256 and key_block(500) is None
+
+
+def test_split_over_chips_equals_whole_window():
+    """The latent cache split over 8 chips by its slots (``latent_len`` on "tp"), simulated with
+    ``vmap`` over a named axis: each chip reads the filled blocks of its share and the combined
+    result equals the whole window."""
+    from zoo.models.glm53.mla import split_latent_share
+    n, length = 8, 8 * 1100
+    q, c, sel, write_at = case(length, [5000, 700], 3, seed=5)
+    share = length // n
+    c_shares = jnp.moveaxis(c.reshape(B, n, share, C), 1, 0)
+    sel_shares = jnp.moveaxis(sel.reshape(B, 3, n, share), 2, 0)
+    chip = jax.vmap(lambda c, s: split_latent_share(q, c, s, write_at, jnp.asarray([True, True]), axis="tp",
+                                                    scale=C ** -0.5), axis_name="tp")
+    out = jax.jit(chip)(c_shares, sel_shares)
+    ref = latent_attention(q, c, sel, C ** -0.5)
+    assert max(rel_err(out[k], ref) for k in range(n)) <= 1e-6

@@ -18,7 +18,7 @@ from zoo.models.qwen38.gated_attention import (
     filled_attention,
     grouped_attention,
 )
-from zoo.models.shared.filled_blocks import blocks_visited, key_block
+from zoo.models.shared.filled_blocks import block_at, blocks_visited, key_block
 
 B, H, G, D = 2, 4, 2, 16
 
@@ -38,7 +38,9 @@ def case(length: int, filled: list[int], t: int, seed: int = 0, live=(True, True
 
 
 @pytest.mark.parametrize("length,filled,t", [(1024, [0, 0], 7), (1024, [300, 40], 1), (1024, [511, 3], 2),
-                                             (768, [700, 10], 4), (4096, [1500, 1500], 64), (200, [20, 5], 3)])
+                                             (768, [700, 10], 4), (4096, [1500, 1500], 64), (200, [20, 5], 3),
+                                             # windows no block width divides: the last block overlaps
+                                             (1100, [1000, 1090], 5), (4128, [4100, 3000], 20), (1100, [500, 3], 1)])
 def test_equals_whole_window(length, filled, t):
     q, k, v, slots = case(length, filled, t)
     ours = jax.jit(filled_attention, static_argnums=4)(q, k, v, slots, D ** -0.5)
@@ -75,8 +77,37 @@ def test_an_idle_row_does_not_widen_the_call():
 
 
 def test_blocks_follow_the_tokens_present():
-    assert key_block(32768) == 512 and key_block(4160) is None and key_block(768) == 256
+    assert key_block(32768) == 512 and key_block(768) == 256 and key_block(33024) == 256
+    assert key_block(1000) == 256 and key_block(500) is None
+    assert key_block(4160) == 512 and key_block(4128) == 512          # no width divides: an overlapping last block
+    assert int(blocks_visited(jnp.asarray([4100]), 20, 4128)) == 9
+    assert int(blocks_visited(jnp.asarray([4000]), 20, 4128)) == 8
+    at, own = block_at(jnp.asarray(4096), 512, 4128)                 # the 9th block: slots 3616..4127, 32 its own
+    assert int(at) == 3616 and int(own.sum()) == 32 and bool(own[-1]) and not bool(own[-33])
     for filled, t, want in [([0, 0], 1, 1), ([511, 0], 1, 1), ([512, 0], 1, 2), ([4000, 17], 64, 8),
                             ([4033, 17], 64, 9), ([7000, 0], 1024, 16)]:
         slots = case(32768, filled, t)[3]
         assert int(blocks_visited(slots.write_at, t, 32768)) == want, (filled, t)
+
+
+@pytest.mark.parametrize("length,filled,t,live", [(8 * 1100, [5000, 1200], 3, (True, True)),   # 2-3 blocks per chip
+                                                  (8 * 1100, [600, 30], 1, (True, False)),     # chips 1..7 empty
+                                                  (8 * 16, [0, 100], 40, (True, True))])       # a chunk over shares
+def test_split_over_chips_equals_whole_window(length, filled, t, live):
+    """The cache split over 8 chips by its slots (Qwen3.8-27B's 4 KV heads on 8 chips), simulated with
+    ``vmap`` over a named axis (the collectives as under ``shard_map``): each chip reads the filled
+    blocks of its share, an empty share reads none, and the combined result equals the whole window."""
+    from zoo.models.qwen38.gated_attention import split_attention_share
+    n = 8
+    q, k, v, slots = case(length, filled, t, seed=4, live=live)
+    share = length // n
+    shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], n, share, *a.shape[axis + 1:]), axis, 0)  # noqa: E731
+    chip = jax.vmap(lambda k, v, valid: split_attention_share(q, k, v, valid, slots.query_slot, slots.write_at,
+                                                              slots.live, axis="tp", scale=D ** -0.5),
+                    axis_name="tp")
+    out = jax.jit(chip)(shares(k, 2), shares(v, 2), shares(slots.key_valid, 1))
+    ref = grouped_attention(q, k, v, attention_mask(slots), D ** -0.5)
+    rows = np.asarray(live)
+    for c in range(n):                                        # every chip holds the whole result
+        assert rel_err(np.asarray(out[c])[rows], np.asarray(ref)[rows]) <= 1e-6, c
+    assert np.isfinite(np.asarray(out)).all()

@@ -25,13 +25,22 @@ Which slot holds which position is shared by all layers (``Positions``).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from zoo.models.shared.filled_blocks import blocks_visited, key_block, online_softmax
+from zoo.models.shared.filled_blocks import (
+    block_at,
+    blocks_visited,
+    key_block,
+    local_blocks,
+    online_softmax,
+    split_online_softmax,
+)
 from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param, take_step
 from zoo.ops.matmul import einsum, precision_for
@@ -219,26 +228,56 @@ def filled_latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Ar
                             scale: float, live: jax.Array | None = None) -> jax.Array:
     """:func:`latent_attention` over the filled part of the window only
     (``zoo.models.shared.filled_blocks``: latent blocks up to the last slot any ``live [B]`` row
-    holds, ``write_at [B]`` + T, online softmax; one program for every fill level). Where the mesh splits
-    the latent cache over its slots ("tp"), the whole window (each chip reads its share; a dynamic
-    slice across shards would gather the cache)."""
+    holds, ``write_at [B]`` + T, online softmax; one program for every fill level). Where the mesh
+    splits the latent cache over its slots ("tp"), each chip reads the filled blocks of its own share
+    under ``shard_map`` and the partial sums are combined across chips."""
     b, t, h, ch = q_latent.shape
     length = c.shape[1]
-    block = key_block(length)
     mesh = current_mesh()
     spec = partition_spec(LatentCache.AXES["latent"], tuple(c.shape), mesh) if mesh is not None else None
-    if block is None or (spec is not None and spec[1] is not None):
+    if spec is not None and spec[1] is not None:
+        return _split_latent_attention(q_latent, c, selection, write_at, scale, live, spec)
+    block = key_block(length)
+    if block is None:
         return latent_attention(q_latent, c, selection, scale)
+    n_blocks = blocks_visited(write_at, t, length, live)
+    return _blocked_latent_attention(q_latent, c, selection, scale, n_blocks, block, online_softmax)
+
+
+def _blocked_latent_attention(q_latent, c, selection, scale, n_blocks, block, softmax):
+    """Online-softmax latent attention over ``n_blocks`` blocks of ``c [B, S, C]`` (``selection
+    [B, T, S]`` over the same slots); ``softmax``: ``online_softmax`` or a bound ``split_online_softmax``."""
+    b, t, h, ch = q_latent.shape
 
     def block_fn(start):
-        cb = jax.lax.dynamic_slice_in_dim(c, start, block, axis=1)
-        sel = jax.lax.dynamic_slice_in_dim(selection, start, block, axis=2)
+        at, own = block_at(start, block, c.shape[1])
+        cb = jax.lax.dynamic_slice_in_dim(c, at, block, axis=1)
+        sel = jax.lax.dynamic_slice_in_dim(selection, at, block, axis=2) & own
         scores = einsum("bthc,blc->bthl", q_latent, cb).astype(jnp.float32) * scale
         mix = lambda p: einsum("bthl,blc->bthc", p.astype(q_latent.dtype), cb).astype(jnp.float32)   # noqa: E731
         return jnp.where(sel[:, :, None], scores, F32_MIN), mix
 
-    n_blocks = blocks_visited(write_at, t, length, live)
-    return online_softmax(n_blocks, block, block_fn, (b, t, h), ch).astype(q_latent.dtype)
+    return softmax(n_blocks, block, block_fn, (b, t, h), ch).astype(q_latent.dtype)
+
+
+def _split_latent_attention(q_latent, c, selection, write_at, scale, live, spec):
+    """:func:`filled_latent_attention` with the latent cache split over its slots on mesh axis
+    ``spec[1]``: chip k holds slots ``k * S .. (k+1) * S - 1`` and reads the filled blocks of them;
+    the queries come whole to every chip and the result is whole on every chip."""
+    live = jnp.ones(write_at.shape, bool) if live is None else live
+    local = functools.partial(split_latent_share, axis=spec[1], scale=scale)
+    rows, whole = P(spec[0]), P(spec[0], None, None, None)
+    return jax.shard_map(local, in_specs=(whole, spec, P(spec[0], None, spec[1]), rows, rows), out_specs=whole,
+                         check_vma=False)(q_latent, c, selection, write_at, live)
+
+
+def split_latent_share(q_latent, c, selection, write_at, live, *, axis: str, scale: float):
+    """One chip's part of the split latent attention (under ``shard_map``, or ``vmap`` with
+    ``axis_name``): ``c [B, S, C]`` and ``selection [B, T, S]`` its share of the slots, the rest
+    whole; returns the whole result ``[B, T, H, C]``, combined across ``axis``."""
+    block, n_blocks, _ = local_blocks(write_at, q_latent.shape[1], c.shape[1], jax.lax.axis_index(axis), live)
+    softmax = functools.partial(split_online_softmax, axis)
+    return _blocked_latent_attention(q_latent, c, selection, scale, n_blocks, block, softmax)
 
 
 class MultiLatentAttention(nnx.Module):

@@ -15,17 +15,28 @@ in as a ``Slots`` (built once per forward by the model).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from zoo.models.shared.filled_blocks import F32_MIN, blocks_visited, key_block, online_softmax
+from zoo.models.shared.filled_blocks import (
+    F32_MIN,
+    block_at,
+    blocks_visited,
+    key_block,
+    local_blocks,
+    online_softmax,
+    split_online_softmax,
+)
 from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import Linear, RMSNorm, apply_rotary
 from zoo.ops.matmul import einsum, precision_for
 from zoo.sharding.cache_axes import CacheState, cache_state
+from zoo.sharding.mesh import current_mesh, partition_spec
 
 
 class Slots(NamedTuple):
@@ -59,7 +70,9 @@ class SlotMeta(CacheState):
 
 @cache_state
 class KVCache(CacheState):
-    AXES = {"k": ("batch", "kv_heads", "cache_len", "head_dim"), "v": ("batch", "kv_heads", "cache_len", "head_dim")}
+    # ``kv_len``: the slots split over "tp" where the KV heads do not divide over it (Qwen3.8-27B's 4 KV
+    # heads on 8 chips), instead of every chip holding the whole cache
+    AXES = {"k": ("batch", "kv_heads", "kv_len", "head_dim"), "v": ("batch", "kv_heads", "kv_len", "head_dim")}
     k: jax.Array
     v: jax.Array
 
@@ -125,30 +138,72 @@ def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
     """:func:`grouped_attention` over the filled part of the window only
     (``zoo.models.shared.filled_blocks``: key blocks up to the last slot any live row has
     written, ``max(write_at) + T``, online softmax; one program for every fill level, its cost following the
-    tokens present). Shapes as :func:`grouped_attention`; ``slots`` gives the mask."""
+    tokens present). Shapes as :func:`grouped_attention`; ``slots`` gives the mask. Where the mesh
+    splits the cache over its slots, each chip reads the filled blocks of its own share and the
+    partial results are combined across chips (:func:`split_filled_attention`)."""
+    mesh = current_mesh()
+    spec = partition_spec(KVCache.AXES["k"], tuple(k.shape), mesh) if mesh is not None else None
+    if spec is not None and spec[2] is not None:
+        return split_filled_attention(q, k, v, slots, scale, spec)
     b, t, h, dk = q.shape
-    g, length, dv = k.shape[1], k.shape[2], v.shape[-1]
+    length = k.shape[2]
     block = key_block(length)
     if block is None:
         return grouped_attention(q, k, v, attention_mask(slots), scale)
+    n_blocks = blocks_visited(slots.write_at, t, length, slots.live)
+    return _blocked_attention(q, k, v, slots.key_valid, slots.query_slot, scale, n_blocks, block, 0, online_softmax)
+
+
+def _blocked_attention(q, k, v, key_valid, query_slot, scale, n_blocks, block, first, softmax):
+    """Online-softmax attention over ``n_blocks`` key blocks of ``k, v [B, G, S, D]`` whose slot 0 is
+    global slot ``first`` (``key_valid [B, S]`` local, ``query_slot [B, T]`` global); ``softmax``:
+    ``online_softmax`` or a ``split_online_softmax`` bound to its mesh axis."""
+    b, t, h, dk = q.shape
+    g, dv = k.shape[1], v.shape[-1]
     r = h // g
     qg = q.reshape(b, t, g, r, dk)
 
     def block_fn(start):
-        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2).astype(q.dtype)
-        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2).astype(q.dtype)
-        valid = jax.lax.dynamic_slice_in_dim(slots.key_valid, start, block, axis=1)
-        slot_ids = start + jnp.arange(block, dtype=jnp.int32)
-        mask = valid[:, None, :] & (slot_ids[None, None, :] <= slots.query_slot[:, :, None])     # [B, T, S]
+        at, own = block_at(start, block, k.shape[2])
+        kb = jax.lax.dynamic_slice_in_dim(k, at, block, axis=2).astype(q.dtype)
+        vb = jax.lax.dynamic_slice_in_dim(v, at, block, axis=2).astype(q.dtype)
+        valid = jax.lax.dynamic_slice_in_dim(key_valid, at, block, axis=1) & own[None, :]
+        slot_ids = first + at + jnp.arange(block, dtype=jnp.int32)
+        mask = valid[:, None, :] & (slot_ids[None, None, :] <= query_slot[:, :, None])     # [B, T, S]
         scores = einsum("btgrd,bgsd->bgrts", qg, kb).astype(jnp.float32) * scale
         # in q's dtype, as grouped_attention (XLA:CPU has no bf16 x bf16 -> f32 dot for this layout)
         mix = lambda p: jnp.einsum("bgrts,bgsd->bgrtd", p.astype(q.dtype), vb,            # noqa: E731
                                    precision=precision_for(q.dtype)).astype(jnp.float32)
         return jnp.where(mask[:, None, None], scores, F32_MIN), mix
 
-    n_blocks = blocks_visited(slots.write_at, t, length, slots.live)
-    out = online_softmax(n_blocks, block, block_fn, (b, g, r, t), dv).astype(q.dtype)    # [B, G, R, T, Dv]
+    out = softmax(n_blocks, block, block_fn, (b, g, r, t), dv).astype(q.dtype)    # [B, G, R, T, Dv]
     return jnp.moveaxis(out, 3, 1).reshape(b, t, h, dv)
+
+
+def split_filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float,
+                           spec: P) -> jax.Array:
+    """:func:`filled_attention` with the cache split over its slots on mesh axis ``spec[2]``, under
+    ``shard_map``: chip c holds slots ``c * S .. (c+1) * S - 1`` of every row and KV head, reads the
+    filled blocks of them (none where its share is still empty), and the partial softmax sums are
+    combined across the axis. The queries are gathered to every chip (they are T tokens); the result
+    is whole on every chip. Shapes as :func:`grouped_attention`."""
+    axis = spec[2]
+    local = functools.partial(split_attention_share, axis=axis, scale=scale)
+    rows = P(spec[0])
+    return jax.shard_map(local, in_specs=(P(spec[0], None, None, None), spec, spec, P(spec[0], axis),
+                                          P(spec[0], None), rows, rows),
+                         out_specs=P(spec[0], None, None, None), check_vma=False)(
+        q, k, v, slots.key_valid, slots.query_slot, slots.write_at, slots.live)
+
+
+def split_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axis: str, scale: float):
+    """One chip's part of :func:`split_filled_attention` (under ``shard_map``, or ``vmap`` with
+    ``axis_name``): ``k, v [B, G, S, D]`` and ``key_valid [B, S]`` its share of the slots, the rest
+    whole; returns the whole result ``[B, T, H, Dv]``, combined across ``axis``."""
+    share = k.shape[2]
+    block, n_blocks, first = local_blocks(write_at, q.shape[1], share, jax.lax.axis_index(axis), live)
+    softmax = functools.partial(split_online_softmax, axis)
+    return _blocked_attention(q, k, v, key_valid, query_slot, scale, n_blocks, block, first, softmax)
 
 
 class GatedAttention(nnx.Module):
@@ -179,8 +234,9 @@ class GatedAttention(nnx.Module):
         k = apply_rotary(k, slots.cos, slots.sin)
         v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
         heads_first = lambda a: jnp.swapaxes(a, 1, 2)                       # noqa: E731   [B, T, G, D] -> [B, G, T, D]
-        cache = KVCache(k=write_slots(cache.k, heads_first(k), slots.write_at, slot_axis=2),
-                        v=write_slots(cache.v, heads_first(v), slots.write_at, slot_axis=2))
+        axes = KVCache.AXES["k"]
+        cache = KVCache(k=write_slots(cache.k, heads_first(k), slots.write_at, axes, slot_axis=2),
+                        v=write_slots(cache.v, heads_first(v), slots.write_at, axes, slot_axis=2))
         o = filled_attention(q, cache.k, cache.v, slots, self.head_dim ** -0.5)
         gate = jax.nn.sigmoid(gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
         o = o.reshape(b, t, self.n_heads * self.head_dim) * gate

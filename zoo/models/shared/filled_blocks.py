@@ -3,11 +3,16 @@ combined with an online softmax (flash-attention style), shared by Qwen's gated 
 absorbed MLA.
 
     key_block(L) -> 512 | 256 | None         slots per block (None: the window is under two blocks)
+    block_at(start, block, L) -> (at, own [block])  where a block is read (a last block that would
+        run past the window overlaps the one before it; ``own`` masks the slots read twice)
     blocks_visited(write_at [B], T, L, live [B]) -> int32 scalar, blocks up to max(write_at) + T over
         the live rows (those with a real token in the call), at least one
     online_softmax(n_blocks, block, block_fn, stats_shape, d_out) -> float32 [*stats_shape, d_out]
         block_fn(start) -> (scores float32 [*stats_shape, S], masked entries at F32_MIN,
                             mix: p [*stats_shape, S] -> float32 [*stats_shape, d_out])
+    split_online_softmax(axis, ...)  the same inside ``shard_map`` where the keys are split over the
+        slots on mesh ``axis`` (each chip its blocks, then combined); ``local_blocks`` gives a
+        chip's block count
 
 The block count is a traced loop bound, so one program serves every fill level. A row's result
 does not depend on how many blocks the call visits: an all-masked block adds exact zeros to a row
@@ -27,8 +32,20 @@ F32_MIN = jnp.finfo(jnp.float32).min
 
 def key_block(length: int) -> int | None:
     """Slots per key block for a window of ``length`` slots: the widest of 512, 256 that divides it
-    into at least two blocks, or None (the whole window at once)."""
-    return next((n for n in (512, 256) if length % n == 0 and length >= 2 * n), None)
+    into at least two blocks; else the widest of them that fits twice (the last block then starts
+    at ``length - block`` and reads only the slots no block before it read: :func:`block_at`); or
+    None (the whole window at once)."""
+    fits = [n for n in (512, 256) if length >= 2 * n]
+    return next((n for n in fits if length % n == 0), fits[0] if fits else None)
+
+
+def block_at(start: jax.Array, block: int, length: int) -> tuple[jax.Array, jax.Array]:
+    """Where the block that begins at slot ``start`` (a multiple of ``block``) is read in a window of
+    ``length`` slots, and which of its slots are its own: ``(at, own [block])`` with ``at = min(start,
+    length - block)`` and ``own[j] = at + j >= start`` (all True but in a last block that overlaps
+    the one before it)."""
+    at = jnp.minimum(start, length - block)
+    return at, at + jnp.arange(block, dtype=jnp.int32) >= start
 
 
 def blocks_visited(write_at: jax.Array, t: int, length: int, live: jax.Array | None = None) -> jax.Array:
@@ -42,13 +59,34 @@ def blocks_visited(write_at: jax.Array, t: int, length: int, live: jax.Array | N
     never used (it is finite: a query with no visible key averages the visited slots)."""
     block = key_block(length) or length
     reach = write_at + t if live is None else jnp.where(live, write_at + t, 0)
-    return jnp.clip((jnp.max(reach) + block - 1) // block, 1, length // block).astype(jnp.int32)
+    return jnp.clip((jnp.max(reach) + block - 1) // block, 1, -(-length // block)).astype(jnp.int32)
 
 
 def online_softmax(n_blocks: jax.Array, block: int, block_fn: Callable, stats_shape: tuple[int, ...],
                    d_out: int) -> jax.Array:
     """``softmax(scores) @ values`` over blocks ``0 .. n_blocks-1`` (see the module docstring), in
     float32 ``[*stats_shape, d_out]``."""
+    _, total, acc = _running_sums(n_blocks, block, block_fn, stats_shape, d_out)
+    return acc / total[..., None]
+
+
+def split_online_softmax(axis: str, n_blocks: jax.Array, block: int, block_fn: Callable,
+                         stats_shape: tuple[int, ...], d_out: int) -> jax.Array:
+    """:func:`online_softmax` where each chip of mesh ``axis`` holds a share of the keys (called
+    inside ``shard_map``): each chip runs its own ``n_blocks`` (0 allowed: a chip whose slots hold no
+    token reads nothing), then the running maxima, sums and weighted values are combined across the
+    axis (a max and two sums of ``[*stats_shape]`` / ``[*stats_shape, d_out]``, flash-decoding style).
+    Every chip returns the whole result, float32 ``[*stats_shape, d_out]``."""
+    m, total, acc = _running_sums(n_blocks, block, block_fn, stats_shape, d_out)
+    m_all = jax.lax.pmax(m, axis)
+    keep = jnp.exp(m - m_all)
+    total = jax.lax.psum(total * keep, axis)
+    acc = jax.lax.psum(acc * keep[..., None], axis)
+    return acc / total[..., None]
+
+
+def _running_sums(n_blocks, block, block_fn, stats_shape, d_out):
+    """(running max, sum of exp, exp-weighted values) over blocks ``0 .. n_blocks-1``."""
 
     def step(i, carry):
         m, total, acc = carry
@@ -60,5 +98,18 @@ def online_softmax(n_blocks: jax.Array, block: int, block_fn: Callable, stats_sh
 
     init = (jnp.full(stats_shape, F32_MIN, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros((*stats_shape, d_out), jnp.float32))
-    _, total, acc = jax.lax.fori_loop(0, n_blocks, step, init)
-    return acc / total[..., None]
+    return jax.lax.fori_loop(0, n_blocks, step, init)
+
+
+def local_blocks(write_at: jax.Array, t: int, share: int, shard: jax.Array, live: jax.Array | None = None):
+    """The key blocks one chip reads where a window is split evenly over a mesh axis, ``share`` slots
+    per chip (chip ``shard`` holds global slots ``shard * share .. (shard + 1) * share - 1``).
+
+    Returns ``(block, n_blocks, first_slot)``: the block width (``key_block(share)``, or the whole
+    share), how many of the chip's blocks reach up to the last slot a live row holds after a call of
+    ``t`` tokens at ``write_at [B]`` (0 where its share holds none of them), and its first global slot."""
+    block = key_block(share) or share
+    first = shard * share
+    reach = write_at + t if live is None else jnp.where(live, write_at + t, 0)
+    n = jnp.clip((jnp.max(reach) - first + block - 1) // block, 0, -(-share // block)).astype(jnp.int32)
+    return block, n, first
