@@ -165,6 +165,44 @@ def test_roofline_arithmetic():
     assert r["pallas"]["by_kernel"]["a"] == {"calls": 2, "steps": 8, "weight_bytes": 8000}
 
 
+def test_state_read_at_a_fill_level():
+    """``zoo compile --fill``: a cache split over its slots costs the busiest chip its share up to the
+    fill (chip 0 holds the first slots); a cache whole on every chip, or split by heads, fill / L of
+    its shard; pools count by the tokens they hold; what is not a cache leaf is read whole."""
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zoo.models.glm53.mla import IndexerCache
+    from zoo.models.qwen38.gated_attention import KVCache, SlotMeta
+    from zoo.models.shared.cache import ModelCache
+    from zoo.tools.roofline import state_read
+
+    mesh = AbstractMesh((8,), ("tp",))
+    def sds(shape, dtype, *spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
+    L = 32768
+    by_slots = KVCache(k=sds((3, 4, L, 256), jnp.bfloat16, None, None, "tp"),
+                       v=sds((3, 4, L, 256), jnp.bfloat16, None, None, "tp"))
+    by_heads = KVCache(k=sds((3, 8, L, 256), jnp.bfloat16, None, "tp"), v=sds((3, 8, L, 256), jnp.bfloat16, None, "tp"))
+    meta = SlotMeta(index=sds((3,), jnp.int32), pos=sds((3,), jnp.int32), valid=sds((3, L), jnp.bool_))
+    pools = IndexerCache(pool_k=sds((3, L // 4, 128), jnp.bfloat16, None, "tp"),
+                         tail_k=sds((3, 4, 128), jnp.bfloat16), tail_gate=sds((3, 4, 128), jnp.bfloat16))
+    state = {"cache": ModelCache(slots=meta, layers=(by_slots, by_heads, pools)), "step": sds((3,), jnp.int32)}
+    kv_shard, head_shard = 3 * 4 * (L // 8) * 256 * 2, 3 * L * 256 * 2    # one chip's k (or v): by slots, by heads
+    pool_shard, tails = 3 * (L // 32) * 128 * 2, 2 * 3 * 4 * 128 * 2
+    whole = 2 * kv_shard + 2 * head_shard + 3 * L + pool_shard + tails + 2 * 3 * 4 + 3 * 4
+    assert state_read(state) == state_read(state, L) == whole
+    for fill in (1024, 4096):
+        slots = 2 * kv_shard * min(fill, L // 8) / (L // 8)      # chip 0: the first L / 8 slots
+        heads = 2 * head_shard * fill / L
+        pooled = pool_shard * min(fill // 4, L // 32) / (L // 32)
+        want = slots + heads + 3 * L * fill / L + pooled + tails + 2 * 3 * 4 + 3 * 4
+        assert state_read(state, fill) == int(want), fill
+    # at 4096 tokens chip 0 of a split leaf reads all of its share: only the whole-window leaves get cheaper
+    assert state_read(state, 4096) == whole - 2 * head_shard * 7 / 8 - 3 * L * 7 / 8
+
+
 def test_must_read_counts_each_weight_by_what_a_step_touches():
     """With rows enough to use every expert and every embedding row, and one MTP call, a step reads
     every weight exactly once; one decode row reads top_k / E of each routed-expert bank."""

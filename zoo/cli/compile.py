@@ -16,7 +16,7 @@ def _compile(args: argparse.Namespace) -> int:
     min_margin = int(args.min_margin * GiB)
     report = compile_report(args.model, quant=args.quant, target=args.target, layout=args.layout, batch=args.batch,
                             context=args.context, spec_tokens=args.spec, prefill_chunk=chunk, dtype=args.dtype,
-                            programs=programs, min_margin=min_margin, hlo_dir=args.hlo_dir)
+                            programs=programs, min_margin=min_margin, hlo_dir=args.hlo_dir, fill=args.fill)
     searches = [largest_batch(args.model, quant=args.quant, target=args.target, layout=args.layout,
                               context=int(c), spec_tokens=report["spec_tokens"], min_margin=min_margin,
                               dtype=args.dtype)
@@ -57,6 +57,8 @@ def add_commands(sub) -> None:
                         "masks: the programs a batch with a constrained row runs); default all three")
     p.add_argument("--search-batch", default="", metavar="CONTEXTS",
                    help="comma-separated contexts: also find the most decode rows that fit at each")
+    p.add_argument("--fill", type=int, default=None,
+                   help="the roofline counts the cache at this many tokens per row (default: the whole context)")
     p.add_argument("--hlo-dir", default=None, help="also write each compiled program's HLO text here")
     p.add_argument("--json", action="store_true", help="the whole report as JSON")
     p.set_defaults(fn=_compile)

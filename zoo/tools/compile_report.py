@@ -48,7 +48,7 @@ from zoo.kernels.dispatch import Policy, use_policy
 from zoo.loader.abstract import abstract_load, shard_bytes, shard_bytes_of
 from zoo.sharding.mesh import get_layout
 from zoo.tools.hlo_traffic import traffic
-from zoo.tools.roofline import must_read, roofline
+from zoo.tools.roofline import must_read, roofline, state_read
 
 GiB = 2 ** 30
 # the compiler's out-of-memory messages (two forms): what the program needs
@@ -197,6 +197,7 @@ class _Session:
     usable: int
     weights: int
     hlo_dir: str | None = None
+    fill: int | None = None
 
     def generator(self, spec_tokens: int, batch: int, context: int, chunk: int = 1024) -> Generator:
         return Generator(self.model, spec_tokens=spec_tokens, max_batch=batch, context=context, prefill_chunk=chunk,
@@ -265,7 +266,8 @@ class _Session:
             pallas_calls=pallas, flops=float(cost.get("flops", -1)),
             bytes_accessed=float(cost.get("bytes accessed", -1))).to_dict()
         if self.target.platform == "tpu" and read is not None:     # HBM bandwidths are known for TPU chips only
-            report["roofline"] = roofline(read, batch_state, calls, cost, self.target.name.split("-")[0])
+            report["roofline"] = roofline(read, state_read(state, self.fill), calls, cost,
+                                          self.target.name.split("-")[0])
             report["roofline"]["xla"]["traffic"] = dict(traffic(text)[0])
         return report
 
@@ -281,7 +283,7 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
                    batch: int = 1, context: int = 4096, spec_tokens: int | None = 0,
                    prefill_chunk: int | None = 512, dtype: str = "bfloat16",
                    programs: tuple[str, ...] = ("decode", "prefill", "masked"), min_margin: int = 0,
-                   hlo_dir: str | None = None) -> dict:
+                   hlo_dir: str | None = None, fill: int | None = None) -> dict:
     """Compile the engine's programs for ``target`` (see the module docstring); a JSON-ready report.
 
     ``programs``: "decode" compiles the decode step at ``batch`` x ``context`` without drafts and,
@@ -294,12 +296,17 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
     (those up to ``context``) that compiles with ``min_margin`` bytes to spare (``prefill_chunk`` in the
     report; the larger ones tried are reported too, marked ``rejected``). ``ok``: every program not
     rejected fits with ``min_margin`` to spare (and a chunk was found). ``hlo_dir``: also write each
-    compiled program's HLO text there (``bench/hlo_traffic.py`` reads it)."""
+    compiled program's HLO text there (``bench/hlo_traffic.py`` reads it). ``fill``: the roofline's
+    must-read counts the cache at this many tokens per row (``roofline.state_read``), not the whole
+    window (the programs are the same: one program serves every fill level)."""
     for program in programs:
         if program not in ("decode", "prefill", "masked"):
             raise ValueError(f"unknown program {program!r}; known: decode, prefill, masked")
+    if fill is not None and not 1 <= fill <= context:
+        raise ValueError(f"fill must be 1..{context} (the context), got {fill}")
     t0 = time.perf_counter()
     session = _open(name_or_path, quant, target, layout, dtype, hlo_dir)
+    session.fill = fill
     if spec_tokens is None:
         spec_tokens = DEFAULT_SPEC if getattr(session.model.module, "mtp", None) is not None else 0
     reports, chosen = [], prefill_chunk
@@ -328,7 +335,7 @@ def compile_report(name_or_path, *, quant: str | None = None, target: str = "v5e
     return {"model": str(name_or_path), "quant": quant, "target": session.target.name, "layout": layout,
             "chips": int(session.model.mesh.devices.size), "dtype": dtype, "usable_hbm": session.usable,
             "weights_per_chip": session.weights, "spec_tokens": spec_tokens, "min_margin": min_margin,
-            "prefill_chunk": chosen, "seconds": time.perf_counter() - t0, "programs": reports,
+            "prefill_chunk": chosen, "fill": fill, "seconds": time.perf_counter() - t0, "programs": reports,
             "ok": all(p["fits"] and p["margin"] >= min_margin for p in reports if not p.get("rejected"))
             and ("prefill" not in programs or chosen is not None)}
 
@@ -397,7 +404,8 @@ def table(report: dict) -> str:
         rows.append(f"prefill chunk chosen: {report['prefill_chunk']} tokens")
     if not any("roofline" in p for p in report["programs"]):
         return "\n".join(rows)
-    rows += ["", f"roofline per chip (ms; Pallas grid step overhead {1e6 * _overhead(report):.2f} us assumed; "
+    at = f"; the cache read at {report['fill']} tokens per row" if report.get("fill") else ""
+    rows += ["", f"roofline per chip (ms; Pallas grid step overhead {1e6 * _overhead(report):.2f} us assumed{at}; "
              "xla acc = XLA's bytes accessed, of which prefetch into VMEM (counted ~4x) and relayout copies)",
              f"{'program':{n}s} {'must read':>9s} {'floor':>7s} {'steps':>7s} {'kernels':>8s} {'k/floor':>7s} "
              f"{'xla est':>7s} {'xla acc':>8s} {'prefetch':>8s} {'relayout':>8s}"]

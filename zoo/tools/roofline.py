@@ -2,6 +2,7 @@
 HBM bandwidth, and what the Pallas kernels add for their grid steps.
 
     must_read(module, config, rows=..., mtp_calls=..., mtp_rows=...) -> dict of bytes per chip
+    state_read(state, fill=None) -> bytes per chip of the batch state a step reads at a fill level
     roofline(read, cache, calls, cost, chip) -> dict
 
 **Bytes a step must read** (per chip, from the abstract model's shards, by parameter path):
@@ -12,7 +13,10 @@ HBM bandwidth, and what the Pallas kernels add for their grid steps.
   ~rows*top_k/ep of the slots: the same fraction);
 * the MTP layer's weights once per MTP call (``mtp_calls``: k for a decode step with k drafts,
   1 for a prefill chunk with MTP rows), its experts for ``mtp_rows`` rows a call;
-* the batch state: every cache leaf whole (a decode step at full context reads all of it).
+* the batch state: every cache leaf whole (a decode step at full context reads all of it), or at
+  ``fill`` tokens per row (``zoo compile --fill``) the per-token leaves only up to that fill, as the
+  length-aware attention reads them: of a leaf split over its slots, the busiest chip's share (chip
+  0 holds the first slots); of one whole on every chip (or split by heads), ``fill / L`` of it.
 
 **Time.** ``bytes / HBM bandwidth`` is the floor. The Pallas kernels' estimate is
 ``grid steps * STEP_OVERHEAD_S + weight bytes they move / bandwidth`` (the overhead not hidden
@@ -26,10 +30,12 @@ from __future__ import annotations
 import math
 import re
 
+import jax
 from flax import nnx
 
 from zoo.kernels.census import KernelCall
 from zoo.loader.abstract import shard_bytes_of
+from zoo.sharding.cache_axes import CacheState, map_with_axes, token_axis
 
 STEP_OVERHEAD_S = 0.35e-6            # per Pallas grid step on TPU (the Pallas TPU pipelining guide's figure)
 HBM_BANDWIDTH = {"v5e": 819e9, "v6e": 1640e9, "v5p": 2765e9}     # bytes/s per chip, vendor figures
@@ -57,6 +63,38 @@ def must_read(module, cfg, *, rows: int, mtp_calls: int = 0, mtp_rows: int = 0) 
         else:
             out["weights"] += size
     return {k: int(v) for k, v in out.items()}
+
+
+def state_read(state, fill: int | None = None) -> int:
+    """Bytes per chip a step reads of the batch ``state`` (arrays or ShapeDtypeStructs with their
+    shardings; cache containers carry their logical axes) with rows filled to ``fill`` tokens (None:
+    every leaf whole). A per-token leaf of E entries (slots, or pools of L / E tokens) reads
+    ``min(filled entries, S) / S`` of its shard of S entries (the busiest chip: its slots come first)."""
+    if fill is None:
+        return shard_bytes_of(state)
+    caches = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CacheState))
+              if isinstance(x, CacheState)]
+    total = shard_bytes_of([x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CacheState))
+                            if not isinstance(x, CacheState)])
+    lengths = []
+    map_with_axes(lambda _, x, axes: lengths.append(x.shape[token_axis(axes)]) if token_axis(axes) is not None
+                  else None, caches)
+    slots = max(lengths, default=0)
+
+    def read(_, x, axes):
+        nonlocal total
+        size = shard_bytes_of(x)
+        a = token_axis(axes)
+        if a is not None:
+            entries = x.shape[a]
+            share = x.sharding.shard_shape(x.shape)[a] if getattr(x, "sharding", None) is not None else entries
+            filled = -(-min(fill, slots) * entries // slots)              # entries holding the first fill tokens
+            size = size * min(filled, share) / share
+        total += size
+        return x
+
+    map_with_axes(read, caches)
+    return int(total)
 
 
 def xla_seconds(cost: dict) -> tuple[float, int]:
