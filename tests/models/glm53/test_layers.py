@@ -77,26 +77,30 @@ def _torch_visible(attn, topk, x) -> np.ndarray:
 
 def _ours_mla(attn, x, cache_len, chunks, selection=None):
     """Our MLA over x [B, S, D] in calls of the given lengths through one cache (a shared layer
-    takes the full layer's per-call selections) -> (y [B, S, D], [selection per call])."""
+    takes the full layer's per-call selections) -> (y [B, S, D], [selected pools per call],
+    [visible slots [B, T, L] per call, from those pools])."""
+    from zoo.models.glm53.mla import pool_visibility
     fwd = jitted(attn)
     meta, cache = empty_positions(B, cache_len), attn.init_cache(B, cache_len)
-    ys, sels, t = [], [], 0
+    ys, sels, masks, t = [], [], [], 0
     for k, n in enumerate(chunks):
         pos, meta = advance_positions(meta, jnp.ones((B, n), bool))
         y, cache, sel = fwd(jnp.asarray(x[:, t:t + n]), pos, cache, None if selection is None else selection[k])
         ys.append(np.asarray(y))
         sels.append(sel)
+        masks.append(np.asarray(pool_visibility(sel, pos.key_pos, pos.query_pos, attn.pool, attn.select_tail)))
         t += n
-    return np.concatenate(ys, axis=1), sels
+    return np.concatenate(ys, axis=1), sels, masks
 
 
 def test_mla_full_indexer_matches_transformers(glm):
     """MLA + full k-pool indexer, one call over SEQ tokens: the output and the token selection
-    (ours: [B, T, L] mask; theirs: the indices turned into a mask by transformers itself)."""
+    (ours: the selected pools made slots by ``pool_visibility``; theirs: the indices turned into a mask
+    by transformers itself)."""
     i = _full_then_shared(glm["cfg"])
     x = _rand((B, SEQ, glm["cfg"].hidden_size), 11)
     theirs, topk, margin = _torch_mla(glm["torch_layers"][i].self_attn, x)
-    ours, (sel,) = _ours_mla(glm["layers"][i].self_attn, x, SEQ, [SEQ])
+    ours, _, (sel,) = _ours_mla(glm["layers"][i].self_attn, x, SEQ, [SEQ])
     err = rel_err(ours, theirs)
     print(f"[{glm['name']}] layer {i} MLA+indexer rel err {err:.2e} (indexer margin {margin:.2e})")
     assert margin > MARGIN, "reference indexer top-k near a tie: pick another seed"
@@ -112,7 +116,7 @@ def test_mla_full_indexer_prefill_then_decode_matches_transformers(glm):
     i = _full_then_shared(glm["cfg"])
     x = _rand((B, SEQ, glm["cfg"].hidden_size), 11)
     theirs, topk, margin = _torch_mla(glm["torch_layers"][i].self_attn, x)
-    ours, sels = _ours_mla(glm["layers"][i].self_attn, x, SEQ, [PREFIX] + [1] * (SEQ - PREFIX))
+    ours, _, sels = _ours_mla(glm["layers"][i].self_attn, x, SEQ, [PREFIX] + [1] * (SEQ - PREFIX))
     err = rel_err(ours, theirs)
     print(f"[{glm['name']}] layer {i} MLA+indexer prefill+decode rel err {err:.2e} (indexer margin {margin:.2e})")
     assert margin > MARGIN, "reference indexer top-k near a tie: pick another seed"
@@ -122,16 +126,16 @@ def test_mla_full_indexer_prefill_then_decode_matches_transformers(glm):
 
 
 def test_mla_shared_indexer_matches_transformers(glm):
-    """The "shared" layer after a full one, given that layer's selection (ours: its token mask;
+    """The "shared" layer after a full one, given that layer's selection (ours: its selected pools;
     theirs: its token indices, as the text model passes them)."""
     i = _full_then_shared(glm["cfg"])
     x = _rand((B, SEQ, glm["cfg"].hidden_size), 11)
     _, topk, margin = _torch_mla(glm["torch_layers"][i].self_attn, x)
-    _, sels = _ours_mla(glm["layers"][i].self_attn, x, SEQ, [SEQ])
+    _, sels, _ = _ours_mla(glm["layers"][i].self_attn, x, SEQ, [SEQ])
     x2 = _rand(x.shape, 12)
     theirs, _, _ = _torch_mla(glm["torch_layers"][i + 1].self_attn, x2, prev_topk=topk)
     assert glm["layers"][i + 1].self_attn.indexer is None
-    ours, _ = _ours_mla(glm["layers"][i + 1].self_attn, x2, SEQ, [SEQ], selection=sels)
+    ours, _, _ = _ours_mla(glm["layers"][i + 1].self_attn, x2, SEQ, [SEQ], selection=sels)
     err = rel_err(ours, theirs)
     print(f"[{glm['name']}] layer {i + 1} shared-indexer MLA rel err {err:.2e}")
     assert margin > MARGIN

@@ -13,8 +13,9 @@ Indexer ("full" layers; scores in true f32), for queries at position p:
   pools: tokens (by position) 0..P-1, P..2P-1, ...; pool key = sum_s softmax_s(gi_s + ape_s) * ki_s
   score(p, j) = sum_h w[p, h] * relu(qi[p, h] . poolkey_j * di^-0.5),  w = weights_proj(x) * Hi^-0.5
   candidates: complete pools ending at or before p; keep the best index_topk / P of them, plus the
-  incomplete tail pool of p (tokens (p+1) - (p+1) % P .. p). The result is a token mask [B, T, L]
-  that "shared" layers reuse.
+  incomplete tail pool of p (tokens (p+1) - (p+1) % P .. p). The result is the selected pools
+  [B, T, NP] that "shared" layers reuse; the attention turns them into the slots a query sees block
+  by block (``pool_visibility``), reading only the filled blocks (no [B, T, L] mask is built).
 
 Positions are token counts per row (padding excluded), so left padding does not shift the pools.
 Cache per MLA layer: ``LatentCache(latent [B, L, C], indexer)``; on full-indexer layers ``indexer`` is an
@@ -124,7 +125,7 @@ def rollback_positions(before: PositionMeta, after: PositionMeta, n_keep: jax.Ar
 
 
 class Indexer(nnx.Module):
-    """The k-pool indexer of one "full" layer: ``__call__ -> (token mask [B, T, L], cache)``."""
+    """The k-pool indexer of one "full" layer: ``__call__ -> (selected pools [B, T, NP], cache)``."""
 
     def __init__(self, cfg, *, dtype):
         d, di = cfg.hidden_size, cfg.index_head_dim
@@ -185,7 +186,8 @@ class Indexer(nnx.Module):
 
     def __call__(self, x: jax.Array, q_resid: jax.Array, pos: Positions, cache: IndexerCache,
                  keep_steps: bool = False):
-        """x [B, T, D], q_resid [B, T, q_lora] -> (token mask [B, T, L] bool, new indexer cache)."""
+        """x [B, T, D], q_resid [B, T, q_lora] -> (selected pools [B, T, NP] bool, new indexer cache);
+        ``token_mask`` / :func:`pool_visibility` turn them into the slots each query sees."""
         b, t, _ = x.shape
         q = self.wq_b(q_resid).reshape(b, t, self.n_heads, self.head_dim)
         cache = self._update_pools(self.k_norm(self.wk(x)), self.compress_gate(x), pos, cache, keep_steps)
@@ -201,17 +203,27 @@ class Indexer(nnx.Module):
         chosen = jnp.take_along_axis(candidate, top, axis=-1)
         selected = jnp.zeros((b, t, n_pools), bool).at[
             jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], top].set(chosen)
-        return self._token_mask(selected, pos), cache
+        return selected, cache
 
-    def _token_mask(self, selected: jax.Array, pos: Positions) -> jax.Array:
+    def token_mask(self, selected: jax.Array, pos: Positions) -> jax.Array:
         """Selected pools [B, T, NP] (+ each query's tail pool) -> visible slots [B, T, L]."""
-        kp = pos.key_pos[:, None, :]                                                     # [B, 1, L]
-        qp = pos.query_pos[..., None]                                                    # [B, T, 1]
-        key_pool = jnp.broadcast_to(jnp.maximum(kp, 0) // self.pool, qp.shape[:2] + kp.shape[2:])
-        visible = jnp.take_along_axis(selected, key_pool, axis=2)
-        if self.select_tail:
-            visible = visible | (kp >= (qp + 1) - (qp + 1) % self.pool)
-        return visible & (kp >= 0) & (kp <= qp)
+        return pool_visibility(selected, pos.key_pos, pos.query_pos, self.pool, self.select_tail)
+
+
+def pool_visibility(pools: jax.Array, key_pos: jax.Array, query_pos: jax.Array, pool: int,
+                    select_tail: bool) -> jax.Array:
+    """The slots a query sees, from the indexer's selected pools ``pools [B, T, NP]``, for slots holding
+    positions ``key_pos [B, S]`` (-1: empty; any range of the window: the attention asks block by
+    block) and queries at ``query_pos [B, T]`` -> ``[B, T, S]`` bool: the slot's pool is selected, or
+    (``select_tail``) it lies in the query's own incomplete pool, and it holds a token at or before
+    the query."""
+    kp = key_pos[:, None, :]                                                         # [B, 1, S]
+    qp = query_pos[..., None]                                                        # [B, T, 1]
+    key_pool = jnp.broadcast_to(jnp.maximum(kp, 0) // pool, qp.shape[:2] + kp.shape[2:])
+    visible = jnp.take_along_axis(pools, key_pool, axis=2)
+    if select_tail:
+        visible = visible | (kp >= (qp + 1) - (qp + 1) % pool)
+    return visible & (kp >= 0) & (kp <= qp)
 
 
 def latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Array, scale: float) -> jax.Array:
@@ -224,35 +236,48 @@ def latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Array, sc
     return einsum("bthl,blc->bthc", probs, c)
 
 
-def filled_latent_attention(q_latent: jax.Array, c: jax.Array, selection: jax.Array, write_at: jax.Array,
-                            scale: float, live: jax.Array | None = None) -> jax.Array:
-    """:func:`latent_attention` over the filled part of the window only
-    (``zoo.models.shared.filled_blocks``: latent blocks up to the last slot any ``live [B]`` row
-    holds, ``write_at [B]`` + T, online softmax; one program for every fill level). Where the mesh
-    splits the latent cache over its slots ("tp"), each chip reads the filled blocks of its own share
-    under ``shard_map`` and the partial sums are combined across chips."""
+def filled_latent_attention(q_latent: jax.Array, c: jax.Array, pools: jax.Array, key_pos: jax.Array,
+                            query_pos: jax.Array, write_at: jax.Array, scale: float, live: jax.Array | None = None,
+                            *, pool: int, select_tail: bool) -> jax.Array:
+    """:func:`latent_attention` over the filled part of the window only, its mask made block by block
+    from the selected pools (:func:`pool_visibility` of ``pools [B, T, NP]``, ``key_pos [B, L]``,
+    ``query_pos [B, T]``: no [B, T, L] mask is built), through ``zoo.models.shared.filled_blocks``:
+    latent blocks up to the last slot any ``live [B]`` row holds, ``write_at [B]`` + T, online
+    softmax; one program for every fill level. Where the mesh splits the latent cache over its slots
+    ("tp"), each chip reads the filled blocks of its own share under ``shard_map`` and the partial
+    sums are combined across chips. Returns [B, T, H, C] in q's dtype."""
     b, t, h, ch = q_latent.shape
     length = c.shape[1]
     mesh = current_mesh()
     spec = partition_spec(LatentCache.AXES["latent"], tuple(c.shape), mesh) if mesh is not None else None
+    visibility = dict(pool=pool, select_tail=select_tail)
     if spec is not None and spec[1] is not None:
-        return _split_latent_attention(q_latent, c, selection, write_at, scale, live, spec)
+        live = jnp.ones(write_at.shape, bool) if live is None else live
+        local = functools.partial(split_latent_share, axis=spec[1], scale=scale, **visibility)
+        rows, whole = P(spec[0]), P(spec[0], None, None, None)
+        return jax.shard_map(local, in_specs=(whole, spec, P(spec[0], None, None), P(spec[0], spec[1]),
+                                              P(spec[0], None), rows, rows),
+                             out_specs=whole, check_vma=False)(q_latent, c, pools, key_pos, query_pos, write_at, live)
     block = key_block(length)
     if block is None:
-        return latent_attention(q_latent, c, selection, scale)
+        return latent_attention(q_latent, c, pool_visibility(pools, key_pos, query_pos, **visibility), scale)
     n_blocks = blocks_visited(write_at, t, length, live)
-    return _blocked_latent_attention(q_latent, c, selection, scale, n_blocks, block, online_softmax)
+    return _blocked_latent_attention(q_latent, c, pools, key_pos, query_pos, scale, n_blocks, block,
+                                     online_softmax, **visibility)
 
 
-def _blocked_latent_attention(q_latent, c, selection, scale, n_blocks, block, softmax):
-    """Online-softmax latent attention over ``n_blocks`` blocks of ``c [B, S, C]`` (``selection
-    [B, T, S]`` over the same slots); ``softmax``: ``online_softmax`` or a bound ``split_online_softmax``."""
+def _blocked_latent_attention(q_latent, c, pools, key_pos, query_pos, scale, n_blocks, block, softmax, *,
+                              pool, select_tail):
+    """Online-softmax latent attention over ``n_blocks`` blocks of ``c [B, S, C]`` (``key_pos [B, S]``
+    over the same slots), each block's mask from the selected pools; ``softmax``: ``online_softmax``
+    or a bound ``split_online_softmax``."""
     b, t, h, ch = q_latent.shape
 
     def block_fn(start):
         at, own = block_at(start, block, c.shape[1])
         cb = jax.lax.dynamic_slice_in_dim(c, at, block, axis=1)
-        sel = jax.lax.dynamic_slice_in_dim(selection, at, block, axis=2) & own
+        kp = jax.lax.dynamic_slice_in_dim(key_pos, at, block, axis=1)
+        sel = pool_visibility(pools, kp, query_pos, pool, select_tail) & own
         scores = einsum("bthc,blc->bthl", q_latent, cb).astype(jnp.float32) * scale
         mix = lambda p: einsum("bthl,blc->bthc", p.astype(q_latent.dtype), cb).astype(jnp.float32)   # noqa: E731
         return jnp.where(sel[:, :, None], scores, F32_MIN), mix
@@ -260,24 +285,15 @@ def _blocked_latent_attention(q_latent, c, selection, scale, n_blocks, block, so
     return softmax(n_blocks, block, block_fn, (b, t, h), ch).astype(q_latent.dtype)
 
 
-def _split_latent_attention(q_latent, c, selection, write_at, scale, live, spec):
-    """:func:`filled_latent_attention` with the latent cache split over its slots on mesh axis
-    ``spec[1]``: chip k holds slots ``k * S .. (k+1) * S - 1`` and reads the filled blocks of them;
-    the queries come whole to every chip and the result is whole on every chip."""
-    live = jnp.ones(write_at.shape, bool) if live is None else live
-    local = functools.partial(split_latent_share, axis=spec[1], scale=scale)
-    rows, whole = P(spec[0]), P(spec[0], None, None, None)
-    return jax.shard_map(local, in_specs=(whole, spec, P(spec[0], None, spec[1]), rows, rows), out_specs=whole,
-                         check_vma=False)(q_latent, c, selection, write_at, live)
-
-
-def split_latent_share(q_latent, c, selection, write_at, live, *, axis: str, scale: float):
+def split_latent_share(q_latent, c, pools, key_pos, query_pos, write_at, live, *, axis: str, scale: float,
+                       pool: int, select_tail: bool):
     """One chip's part of the split latent attention (under ``shard_map``, or ``vmap`` with
-    ``axis_name``): ``c [B, S, C]`` and ``selection [B, T, S]`` its share of the slots, the rest
-    whole; returns the whole result ``[B, T, H, C]``, combined across ``axis``."""
+    ``axis_name``): ``c [B, S, C]`` and ``key_pos [B, S]`` its share of the slots, the rest whole;
+    returns the whole result ``[B, T, H, C]``, combined across ``axis``."""
     block, n_blocks, _ = local_blocks(write_at, q_latent.shape[1], c.shape[1], jax.lax.axis_index(axis), live)
     softmax = functools.partial(split_online_softmax, axis)
-    return _blocked_latent_attention(q_latent, c, selection, scale, n_blocks, block, softmax)
+    return _blocked_latent_attention(q_latent, c, pools, key_pos, query_pos, scale, n_blocks, block, softmax,
+                                     pool=pool, select_tail=select_tail)
 
 
 class MultiLatentAttention(nnx.Module):
@@ -300,6 +316,8 @@ class MultiLatentAttention(nnx.Module):
         self.kv_b = param((self.n_heads * (self.dn + self.dv), c), ("heads", "kv_lora"), dtype)
         self.o_proj = Linear(self.n_heads * self.dv, d, axes=("heads", "embed"), dtype=dtype, use_bias=bias)
         self.indexer = Indexer(cfg, dtype=dtype) if indexer else None
+        # how a selection of pools (this layer's indexer's, or the last full layer's) maps to slots
+        self.pool, self.select_tail = cfg.index_kpool, cfg.index_kpool_always_select_tail
 
     def init_cache(self, batch: int, length: int) -> LatentCache:
         indexer = None if self.indexer is None else self.indexer.init_cache(batch, length)
@@ -322,9 +340,9 @@ class MultiLatentAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, pos: Positions, cache: LatentCache, selection: jax.Array | None,
                  keep_steps: bool = False):
-        """x [B, T, D]; selection: the token mask [B, T, L] of the last full layer (shared layers).
+        """x [B, T, D]; selection: the selected pools [B, T, NP] of the last full layer (shared layers).
 
-        Returns (y [B, T, D], new cache, the token mask this layer used).
+        Returns (y [B, T, D], new cache, the selected pools this layer used).
         """
         b, t, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
@@ -340,6 +358,8 @@ class MultiLatentAttention(nnx.Module):
         # result in q's dtype directly (accumulated in f32 by every backend): XLA:CPU has no bf16 x bf16
         # -> f32 dot for this layout
         q_latent = jnp.einsum("bthd,hdc->bthc", q, w_k, precision=precision_for(q.dtype))
-        o_latent = filled_latent_attention(q_latent, c, selection, pos.write_at, self.dn ** -0.5, pos.count > 0)
+        o_latent = filled_latent_attention(q_latent, c, selection, pos.key_pos, pos.query_pos, pos.write_at,
+                                           self.dn ** -0.5, pos.count > 0, pool=self.pool,
+                                           select_tail=self.select_tail)
         o = einsum("bthc,hdc->bthd", o_latent, w_v)
         return self.o_proj(o.reshape(b, t, self.n_heads * self.dv)), cache, selection
