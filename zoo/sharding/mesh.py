@@ -236,6 +236,13 @@ def current_mesh():
     return None if mesh.empty or mesh.size == 1 else mesh
 
 
+def current_spec(axes: Axes, shape: tuple[int, ...]) -> PartitionSpec | None:
+    """The ``PartitionSpec`` of a value with logical ``axes`` and ``shape`` on the current mesh (None:
+    no mesh), for code that works per shard where the mesh splits a dimension."""
+    mesh = current_mesh()
+    return partition_spec(axes, tuple(shape), mesh) if mesh is not None else None
+
+
 def on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
     """``fn`` called (and so traced) with ``mesh`` set as the current mesh; ``fn`` itself if None."""
     if mesh is None:

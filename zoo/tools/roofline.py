@@ -72,28 +72,24 @@ def state_read(state, fill: int | None = None) -> int:
     ``min(filled entries, S) / S`` of its shard of S entries (the busiest chip: its slots come first)."""
     if fill is None:
         return shard_bytes_of(state)
-    caches = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CacheState))
-              if isinstance(x, CacheState)]
-    total = shard_bytes_of([x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CacheState))
-                            if not isinstance(x, CacheState)])
-    lengths = []
-    map_with_axes(lambda _, x, axes: lengths.append(x.shape[token_axis(axes)]) if token_axis(axes) is not None
-                  else None, caches)
-    slots = max(lengths, default=0)
+    is_cache = lambda x: isinstance(x, CacheState)                                  # noqa: E731
+    leaves = jax.tree.leaves(state, is_leaf=is_cache)
+    whole = [x for x in leaves if not is_cache(x)]
+    per_token = []                                                  # (leaf, its token axis)
 
-    def read(_, x, axes):
-        nonlocal total
-        size = shard_bytes_of(x)
+    def sort(_, x, axes):
         a = token_axis(axes)
-        if a is not None:
-            entries = x.shape[a]
-            share = x.sharding.shard_shape(x.shape)[a] if getattr(x, "sharding", None) is not None else entries
-            filled = -(-min(fill, slots) * entries // slots)              # entries holding the first fill tokens
-            size = size * min(filled, share) / share
-        total += size
+        per_token.append((x, a)) if a is not None else whole.append(x)
         return x
 
-    map_with_axes(read, caches)
+    map_with_axes(sort, [x for x in leaves if is_cache(x)])
+    slots = max((x.shape[a] for x, a in per_token), default=0)
+    total = shard_bytes_of(whole)
+    for x, a in per_token:
+        entries = x.shape[a]
+        share = x.sharding.shard_shape(x.shape)[a] if getattr(x, "sharding", None) is not None else entries
+        filled = -(-min(fill, slots) * entries // slots)                  # entries holding the first fill tokens
+        total += shard_bytes_of(x) * min(filled, share) / share
     return int(total)
 
 

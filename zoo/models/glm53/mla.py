@@ -46,7 +46,7 @@ from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import LayerNorm, Linear, RMSNorm, param, take_step
 from zoo.ops.matmul import einsum, precision_for
 from zoo.sharding.cache_axes import CacheState, cache_state
-from zoo.sharding.mesh import current_mesh, partition_spec
+from zoo.sharding.mesh import current_spec
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32_MIN = jnp.finfo(jnp.float32).min
@@ -131,7 +131,6 @@ class Indexer(nnx.Module):
         d, di = cfg.hidden_size, cfg.index_head_dim
         self.n_heads, self.head_dim, self.pool = cfg.index_n_heads, di, cfg.index_kpool
         self.pools_kept = cfg.index_topk // cfg.index_kpool
-        self.select_tail = cfg.index_kpool_always_select_tail
         self.dtype = dtype
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * di, axes=("q_lora", "heads"), dtype=dtype)
         self.wk = Linear(d, di, axes=("embed_in", "head_dim"), dtype=dtype)
@@ -187,7 +186,7 @@ class Indexer(nnx.Module):
     def __call__(self, x: jax.Array, q_resid: jax.Array, pos: Positions, cache: IndexerCache,
                  keep_steps: bool = False):
         """x [B, T, D], q_resid [B, T, q_lora] -> (selected pools [B, T, NP] bool, new indexer cache);
-        ``token_mask`` / :func:`pool_visibility` turn them into the slots each query sees."""
+        :func:`pool_visibility` turns them into the slots each query sees."""
         b, t, _ = x.shape
         q = self.wq_b(q_resid).reshape(b, t, self.n_heads, self.head_dim)
         cache = self._update_pools(self.k_norm(self.wk(x)), self.compress_gate(x), pos, cache, keep_steps)
@@ -204,10 +203,6 @@ class Indexer(nnx.Module):
         selected = jnp.zeros((b, t, n_pools), bool).at[
             jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], top].set(chosen)
         return selected, cache
-
-    def token_mask(self, selected: jax.Array, pos: Positions) -> jax.Array:
-        """Selected pools [B, T, NP] (+ each query's tail pool) -> visible slots [B, T, L]."""
-        return pool_visibility(selected, pos.key_pos, pos.query_pos, self.pool, self.select_tail)
 
 
 def pool_visibility(pools: jax.Array, key_pos: jax.Array, query_pos: jax.Array, pool: int,
@@ -248,8 +243,7 @@ def filled_latent_attention(q_latent: jax.Array, c: jax.Array, pools: jax.Array,
     sums are combined across chips. Returns [B, T, H, C] in q's dtype."""
     b, t, h, ch = q_latent.shape
     length = c.shape[1]
-    mesh = current_mesh()
-    spec = partition_spec(LatentCache.AXES["latent"], tuple(c.shape), mesh) if mesh is not None else None
+    spec = current_spec(LatentCache.AXES["latent"], c.shape)
     visibility = dict(pool=pool, select_tail=select_tail)
     if spec is not None and spec[1] is not None:
         live = jnp.ones(write_at.shape, bool) if live is None else live

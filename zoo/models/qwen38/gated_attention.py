@@ -36,7 +36,7 @@ from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import Linear, RMSNorm, apply_rotary
 from zoo.ops.matmul import einsum, precision_for
 from zoo.sharding.cache_axes import CacheState, cache_state
-from zoo.sharding.mesh import current_mesh, partition_spec
+from zoo.sharding.mesh import current_spec
 
 
 class Slots(NamedTuple):
@@ -141,8 +141,7 @@ def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
     tokens present). Shapes as :func:`grouped_attention`; ``slots`` gives the mask. Where the mesh
     splits the cache over its slots, each chip reads the filled blocks of its own share and the
     partial results are combined across chips (:func:`split_filled_attention`)."""
-    mesh = current_mesh()
-    spec = partition_spec(KVCache.AXES["k"], tuple(k.shape), mesh) if mesh is not None else None
+    spec = current_spec(KVCache.AXES["k"], k.shape)
     if spec is not None and spec[2] is not None:
         return split_filled_attention(q, k, v, slots, scale, spec)
     b, t, h, dk = q.shape

@@ -57,9 +57,8 @@ def blocks_visited(write_at: jax.Array, t: int, length: int, live: jax.Array | N
     used, whose write index still moves with every step) does not widen the call: after a long
     request ends, the steps of the short ones read their own fill again. An idle row's output is
     never used (it is finite: a query with no visible key averages the visited slots)."""
-    block = key_block(length) or length
-    reach = write_at + t if live is None else jnp.where(live, write_at + t, 0)
-    return jnp.clip((jnp.max(reach) + block - 1) // block, 1, -(-length // block)).astype(jnp.int32)
+    _, n, _ = local_blocks(write_at, t, length, 0, live)                 # the whole window as one share
+    return jnp.maximum(n, 1)
 
 
 def online_softmax(n_blocks: jax.Array, block: int, block_fn: Callable, stats_shape: tuple[int, ...],

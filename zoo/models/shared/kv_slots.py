@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from zoo.sharding.mesh import current_mesh, partition_spec
+from zoo.sharding.mesh import current_spec
 
 
 def _write(buf: jax.Array, new: jax.Array, write_at: jax.Array, slot_axis: int = 1) -> jax.Array:
@@ -47,8 +47,7 @@ def write_slots(buf: jax.Array, new: jax.Array, write_at: jax.Array, axes: tuple
                 slot_axis: int = 1) -> jax.Array:
     """Write ``new [B, T, ...]`` into ``buf [B, L, ...]`` at per-row slot ``write_at [B]`` (see the
     module docstring for ``axes`` and ``slot_axis``)."""
-    mesh = current_mesh() if axes is not None else None
-    spec = partition_spec(axes, tuple(buf.shape), mesh) if mesh is not None else None
+    spec = current_spec(axes, buf.shape) if axes is not None else None
     if spec is None or spec[slot_axis] is None:
         return _write(buf, new, write_at, slot_axis)
     mesh_axis = spec[slot_axis]
