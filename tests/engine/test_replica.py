@@ -81,3 +81,45 @@ def test_a_follower_gets_the_options_and_stops_where_the_leader_does(model):
         assert (mine.tokens, mine.text, mine.finish_reason) == (theirs.tokens, theirs.text, theirs.finish_reason)
         assert mine.stats.get("stop_sequence") == theirs.stats.get("stop_sequence")
     assert (first.finish_reason, first.stats["stop_sequence"], first.text) == ("stop", needle, text[:text.find(needle)])
+
+
+def test_followers_narrow_the_prefill_pieces_the_leader_does(model):
+    """A long prompt arrives while a stream decodes. The leader's prefill time budget narrows its
+    pieces from the leader's timings (here a table that makes every piece narrow); the follower, whose
+    own timings differ, loads the leader's table with each plan and runs the same pieces: the same
+    prefill tokens at every step, and the same outputs."""
+    store = MemoryStore()
+    make = lambda: Generator(model, max_batch=4, context=512, prefill_chunk=64, prefix_cache=0,   # noqa: E731
+                             interleave_ratio=3.0)
+    leader_gen, follower_gen = make(), make()
+    # two 16-token pieces per step (the follower's own timings of this tiny model allow one or none)
+    slow = {"decode": 1.0, "pieces": {"16": 1.0, "64": 4.0}}
+    leader_gen.pace.piece_took = leader_gen.pace.decode_took = lambda *a: None    # the table stays
+    leader_gen.pace.load(slow)
+    prefilled = {"leader": [], "follower": []}
+    for name, gen in (("leader", leader_gen), ("follower", follower_gen)):
+        step = gen.step
+        gen.step = lambda step=step, gen=gen, name=name: (  # noqa: E731
+            prefilled[name].append(gen.prefill_tokens), step())[1]
+    replayed = []
+    follower_submit = follower_gen.submit
+    follower_gen.submit = lambda req: replayed.append(req) or follower_submit(req)   # observed, not changed
+    follower = Follower(follower_gen, Channel(store))
+    thread = threading.Thread(target=follower.run, kwargs={"timeout_s": 600}, daemon=True)
+    thread.start()
+    leader = Leader(leader_gen, Channel(store))
+    try:
+        stream = leader.submit(leader.make_request([5, 17, 200, 33], max_new_tokens=40))
+        for _ in range(3):
+            leader.step()
+        long = leader.submit(leader.make_request([(7 * i + 3) % 230 + 10 for i in range(150)], max_new_tokens=4))
+        while not (stream.done.is_set() and long.done.is_set()):
+            leader.step()
+    finally:
+        leader.close()
+        thread.join(600)
+    assert not thread.is_alive() and follower.n == leader.n
+    steps = [b - a for a, b in zip(prefilled["leader"][1:], prefilled["leader"][2:])]
+    assert 32 in steps and 64 not in steps                        # narrowed while the stream decoded
+    assert prefilled["follower"] == prefilled["leader"]
+    assert [r.tokens for r in replayed] == [stream.tokens, long.tokens] and len(long.tokens) == 4

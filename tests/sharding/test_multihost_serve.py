@@ -42,8 +42,10 @@ ARGS = ["serve", "--port", "0", "--log-level", "warning", "--follower-timeout", 
 LAZY = ["--no-warmup"]
 # Fixed MTP drafts: sampled answers then do not depend on the speculation policy's timings, so the two
 # servers must give the same (the auto policy over two processes is ``test_multihost``'s engine session).
+# No prefill time budget: its narrowed pieces follow each server's own timings (the processes of one job
+# decide alike from the leader's table, ``test_replica``), and other widths round otherwise.
 EXACT = ["--dtype", "float32", "--spec", "2", "--spec-policy", "fixed", "--prefix-cache-gb", "0.0001",
-         "--prefix-cache-host-gb", "1"]
+         "--prefix-cache-host-gb", "1", "--interleave-ratio", "0"]
 TWO = ("--model", "qwen38-tiny", "--mesh", "tp", *EXACT)      # the two-process servers (the same programs)
 TOOLS = [corpus.TOOLS[n] for n in ("get_weather", "add")]     # the demo model's own tools
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from zoo.engine.prefill_pace import INTERLEAVE_RATIO
 from zoo.text.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 CONFIG_KEY = "zoo/serve/config"
@@ -103,6 +104,10 @@ def add_commands(sub) -> None:
                    help="serve at once and compile each program when a request first needs it (for debugging)")
     s.add_argument("--prefill-chunk", type=int, default=1024,
                    help="prompt tokens per prefill program, a power of two (zoo compile reports what fits)")
+    s.add_argument("--interleave-ratio", type=_interleave_ratio, default=INTERLEAVE_RATIO, metavar="R",
+                   help="while streams decode, a long prompt's prefill keeps each waiting at most about R "
+                        f"decode steps between two tokens (default {INTERLEAVE_RATIO:g}; 0: one prefill chunk "
+                        "per step, however long it takes)")
     s.add_argument("--prefix-cache-gb", type=float, default=None, metavar="N",
                    help="GiB of accelerator memory for cached prompt prefixes (default: a quarter of the "
                         "cache budget; 0: no prefix caching)")
@@ -222,8 +227,22 @@ def _engine_args(args) -> dict:
         host_gb = default_host_tier() / 2**30
     return {"spec_tokens": args.spec, "spec_policy": args.spec_policy, "max_batch": args.max_batch,
             "context": args.context,
-            "prefill_chunk": args.prefill_chunk, "prefix_cache": args.prefix_cache_gb,
+            "prefill_chunk": args.prefill_chunk, "interleave_ratio": args.interleave_ratio,
+            "prefix_cache": args.prefix_cache_gb,
             "prefix_cache_host_gb": host_gb, "max_image_tokens": args.max_image_tokens}
+
+
+def _interleave_ratio(text: str) -> float | None:
+    """``--interleave-ratio``: a number >= 1, or 0 for none (the token budget alone)."""
+    try:
+        ratio = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 or 0, got {text!r}") from None
+    if ratio == 0:
+        return None
+    if not ratio >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 (decode steps) or 0 (off), got {text!r}")
+    return ratio
 
 
 def _context(args, model) -> int:
@@ -292,6 +311,7 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
         app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], spec_policy=engine["spec_policy"],
                          max_batch=engine["max_batch"],
                          context=_context(args, model), prefill_chunk=engine["prefill_chunk"],
+                         interleave_ratio=engine["interleave_ratio"],
                          warmup=args.warmup, on_warmup=_progress(counter), max_queue=args.max_queue,
                          queue_timeout_s=args.queue_timeout, model_name=name,
                          tool_format=None if args.tool_format == "none" else args.tool_format,

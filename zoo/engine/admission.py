@@ -3,7 +3,8 @@ takes free rows, its cached prefix is restored, its prompt is prefilled a piece 
 (``zoo.engine.fill``: ``plan_pieces``, ``Fill``) between decode steps, and each choice still wanted
 samples its first token into its row.
 
-    _prefill_waiting()      run waiting prompts' pieces within this step's budget (``prefill_budget``)
+    _prefill_waiting()      run waiting prompts' pieces within this step's budget (``prefill_budget``
+                            tokens, and the time ``pace`` allows while rows decode)
     _admit_next() -> bool   start the first waiting request's fill; False: none waits, or no rows
     _try_admit(req)         rows for ``req`` and its forks, its prefix hit, ``_begin_fill``
     _begin_fill / _fill_piece / _end_fill      one prompt's prefill: restore, pieces, first tokens
@@ -11,7 +12,7 @@ samples its first token into its row.
     _fail_admission(group, e)                  a refusal (400) or fault (500; the batch if it held it)
 
 The Generator provides what these read and write: ``_rows``, ``_waiting``, ``_lock``, ``_fill``,
-``_B``, ``_L``, ``k``, ``context``, ``prefix``, ``_rows_io``, ``memory_budget``, ``prefill_budget``,
+``_B``, ``_L``, ``k``, ``context``, ``prefix``, ``_rows_io``, ``memory_budget``, ``prefill_budget``, ``pace``, ``_ran``,
 ``prefill_chunk``, ``prefill_small``, ``_images``, ``_state``, ``_batch``, the counters ``prefills`` and
 ``prefill_tokens``, the jitted ``_empty_fn`` and ``_prefill_fn``, and ``_ensure_batch``,
 ``_state_bytes``, ``_h_zero``, ``_replicated``, ``_start_row``, ``_decoding``, ``_finish``, ``_fail``,
@@ -25,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from zoo.engine.fill import Fill, piece_inputs, plan_pieces
+from zoo.engine.fill import Fill, piece_inputs, plan_pieces, snapshot_points
 from zoo.engine.image_prefill import cache_tokens
 from zoo.engine.logprobs import TokenLogprob, records, to_numpy
 from zoo.engine.options import RequestOptions
@@ -113,17 +114,24 @@ class Admission:
             self.prefix.stats.hit_tokens += start
             self.prefix.stats.miss_tokens += n - start
         images = None if not req.images else self._images.start(self._state, req, start)
-        return Fill(group, at, self._plan(start, n, opts.cache_marks), cache, h_prev, start, images)
+        return Fill(group, at, snapshot_points(start, n, self.prefill_chunk, opts.cache_marks), cache, h_prev,
+                    start, images)
 
-    def _fill_piece(self, f: Fill) -> int:
-        """Run ``f``'s next piece (and cache its snapshot); returns the piece's width."""
+    def _fill_piece(self, f: Fill, narrow: bool = False) -> int:
+        """Run ``f``'s next piece (``narrow``: at the small width) and cache its snapshot; returns the
+        piece's width. Its time goes to ``pace`` (a width's first run may have compiled it: not timed)."""
         req = f.request
-        a, e, w, snapshot = f.pieces[f.next]
+        a, e, w, snapshot = f.piece(self.prefill_chunk, self.prefill_small, self._L, narrow)
         want = req.options.prompt_logprobs is not None
         mm = None if f.images is None else self._images.piece(f.images, a, e, w)   # text: the same program
+        t0 = time.perf_counter()
         out = self._prefill_piece(f.prompt, a, e, w, f.cache, f.h_prev, want, mm)
         f.logits, f.h_prev, f.cache = out[:3]
-        f.next += 1
+        jax.block_until_ready(f.h_prev)
+        if f"prefill {w}" in self._ran:
+            self.pace.piece_took(w, time.perf_counter() - t0)
+        self._ran.add(f"prefill {w}")
+        f.pos = e
         self.prefill_tokens += w
         if want:
             f.scored.append({key: v[0, :e - a] for key, v in to_numpy(out[3]).items()})
@@ -161,12 +169,16 @@ class Admission:
             member.stats["time_to_first_token"] = time.perf_counter() - f.t0
 
     def _prefill_waiting(self) -> None:
-        """Prefill waiting prompts, in order, while rows and memory allow: at most ``prefill_budget``
-        tokens of pieces (one piece at least; the chunk by default) when some row is decoding, so its
-        stream waits one chunk at most; all of them when none is, or when the budget is None (whole
-        prompts before the next step: more throughput, long stalls; see ``zoo.engine.fill``)."""
-        budget = self.prefill_budget if self._decoding().any() else None
-        spent = 0
+        """Prefill waiting prompts, in order, while rows and memory allow: when some row is decoding,
+        at most ``prefill_budget`` tokens of pieces (the chunk by default) estimated to take at most
+        what ``pace`` allows (``zoo.engine.prefill_pace``: pieces narrowed to the small width, one
+        piece at least), so its stream waits a bounded time; all of them when none is, or when the
+        budget is None (whole prompts before the next step: more throughput, long stalls; see
+        ``zoo.engine.fill``)."""
+        decoding = bool(self._decoding().any())
+        budget = self.prefill_budget if decoding else None
+        table = self.pace.snapshot()           # this step decides from these estimates only (replicas alike)
+        spent, spent_s = 0, 0.0
         while budget is None or spent < budget:
             if self._fill is None and not self._admit_next():
                 return
@@ -176,8 +188,17 @@ class Admission:
             if not f.live:                  # every choice cancelled meanwhile
                 self._fill = None
                 continue
+            narrow = False
+            if decoding and budget is not None:
+                wide = f.piece(self.prefill_chunk, self.prefill_small, self._L)[2]
+                width = self.pace.choose(table, spent_s, wide, self.prefill_small, first=spent == 0)
+                if width is None:
+                    return
+                narrow = width != wide
             try:
-                spent += self._fill_piece(f)
+                w = self._fill_piece(f, narrow)
+                spent += w
+                spent_s += self.pace.estimate(table, w) or 0.0
                 if f.done:
                     self._fill = None
                     self._end_fill(f)

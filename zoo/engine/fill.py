@@ -1,10 +1,12 @@
-"""A prompt being prefilled: its pieces (``plan_pieces``), their host inputs (``piece_inputs``) and the
-state carried from one piece to the next (``Fill``).
+"""A prompt being prefilled: its pieces (``snapshot_points``, ``piece_at``; ``plan_pieces`` when none is
+narrowed), their host inputs (``piece_inputs``) and the state carried from one piece to the next (``Fill``).
 
 The generator prefills one prompt at a time into a one-row cache, a piece per program call, and
 interleaves those calls with the decode steps of the rows already running: each engine step runs at
 most ``prefill_chunk`` tokens of pieces (as many as it takes when no row is decoding), so a
-running stream waits at most one chunk between two of its tokens, whatever the prompt's length.
+running stream waits at most one chunk between two of its tokens, whatever the prompt's length;
+and within a time budget (``zoo.engine.prefill_pace``): pieces narrowed to the small width where a
+chunk would keep the stream waiting longer than ``ratio`` decode steps.
 Short prompts share a step's budget: several are prefilled, one after the other, before its decode.
 """
 
@@ -22,20 +24,29 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def snapshot_points(start: int, n: int, chunk: int, marks=()) -> list[int]:
+    """Where the pieces of prompt tokens ``start .. n-1`` end with a snapshot: every multiple of
+    ``chunk`` (shared by other prompts), each of ``marks``, and ``n``; ascending."""
+    return sorted(set(range(round_up(start + 1, chunk), n, chunk)) | {m for m in marks if start < m < n} | {n})
+
+
+def piece_at(a: int, end: int, chunk: int, small: int, slots: int, narrow: bool = False) -> tuple[int, int]:
+    """``(e, width)`` of the piece from token ``a`` towards the snapshot point ``end``: the chunk's
+    width while more than ``small`` tokens remain (and the chunk fits the row's ``slots``), else
+    ``small``; ``narrow``: ``small`` whatever remains (a step's prefill time is short,
+    ``zoo.engine.prefill_pace``). Right-padded to its width, so only two widths are ever compiled."""
+    width = chunk if not narrow and end - a > small and a + chunk <= slots else small
+    return min(end, a + width), width
+
+
 def plan_pieces(start: int, n: int, chunk: int, small: int, slots: int,
                 marks=()) -> list[tuple[int, int, int, bool]]:
-    """The prefill pieces of prompt tokens ``start .. n-1``: ``(first, end, width, snapshot)``.
-
-    Snapshot points: every multiple of ``chunk`` (shared by other prompts), each of ``marks``, and
-    ``n``. Between two, pieces of width ``chunk`` while more than ``small`` tokens remain (and the
-    chunk fits the row's ``slots``), then of width ``small``; each right-padded to its width. So
-    only two widths are ever compiled."""
-    ends = sorted(set(range(round_up(start + 1, chunk), n, chunk)) | {m for m in marks if start < m < n} | {n})
+    """The prefill pieces of prompt tokens ``start .. n-1`` when no piece is narrowed:
+    ``(first, end, width, snapshot)``, ending at each of the ``snapshot_points``."""
     pieces, a = [], start
-    for end in ends:
+    for end in snapshot_points(start, n, chunk, marks):
         while a < end:
-            width = chunk if end - a > small and a + chunk <= slots else small
-            e = min(end, a + width)
+            e, width = piece_at(a, end, chunk, small, slots)
             pieces.append((a, e, width, e == end))
             a = e
     return pieces
@@ -59,25 +70,33 @@ def piece_inputs(prompt: np.ndarray, a: int, e: int, w: int) -> tuple[np.ndarray
 class Fill:
     """One prompt's prefill in progress: the choices ``group`` that share it (``group[0]`` holds the
     prompt and options; ``prompt``: its ids as an int32 array, made once), the batch rows ``at``
-    they hold meanwhile (not decoded), the ``pieces`` left from ``next``, and what the next piece
-    continues from: the one-row ``cache``, the previous piece's last hidden state ``h_prev`` and
-    logits, the prompt logprobs ``scored`` so far, the image inputs ``images``."""
+    they hold meanwhile (not decoded), its snapshot points ``ends`` (``snapshot_points``) and the
+    next token to prefill ``pos``, and what the next piece continues from: the one-row ``cache``,
+    the previous piece's last hidden state ``h_prev`` and logits, the prompt logprobs ``scored`` so
+    far, the image inputs ``images``. Each piece's width is chosen when it runs (``piece``)."""
 
     group: list[Request]
     at: list[int]
-    pieces: list[tuple[int, int, int, bool]]
+    ends: list[int]
     cache: object
     h_prev: object
     start: int                              # prompt tokens restored from the prefix cache
     images: object = None
     logits: object = None
-    next: int = 0
     scored: list = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
     prompt: np.ndarray = field(init=False)
+    pos: int = field(init=False)
 
     def __post_init__(self):
         self.prompt = np.asarray(self.group[0].prompt, np.int32)
+        self.pos = self.start
+
+    def piece(self, chunk: int, small: int, slots: int, narrow: bool = False) -> tuple[int, int, int, bool]:
+        """The next piece ``(first, end, width, snapshot)`` (``piece_at``); ``pos`` moves on when it ran."""
+        end = next(x for x in self.ends if x > self.pos)
+        e, width = piece_at(self.pos, end, chunk, small, slots, narrow)
+        return self.pos, e, width, e == end
 
     @property
     def request(self) -> Request:
@@ -85,7 +104,7 @@ class Fill:
 
     @property
     def done(self) -> bool:
-        return self.next >= len(self.pieces)
+        return self.pos >= self.ends[-1]
 
     @property
     def live(self) -> bool:

@@ -97,6 +97,7 @@ from zoo.engine.logprobs import TokenLogprob, maybe_token_logprobs, records, to_
 from zoo.engine.mask_schedule import MaskSchedule
 from zoo.engine.masked_step import MaskedPrograms, pick_next
 from zoo.engine.options import RequestOptions, check_token_ids
+from zoo.engine.prefill_pace import PrefillPace
 from zoo.engine.prefix_cache import PrefixCache, token_strides
 from zoo.engine.prefix_rows import PrefixRows
 from zoo.engine.programs import ProgramSet
@@ -124,7 +125,8 @@ class Generator(ProgramSet, Admission):
     def __init__(self, model, *, spec_tokens: int = 0, max_batch: int = 16, context: int | None = None,
                  memory_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefix_cache: PrefixCache | float | None = None, prefix_cache_host_gb: float | None = None,
-                 prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024, spec_policy: str = "auto"):
+                 prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024, spec_policy: str = "auto",
+                 interleave_ratio: float | None = None):
         """``max_batch``: the most rows (fewer if ``memory_budget`` holds fewer, see ``rows``); ``context``:
         tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the model's positions if
         fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
@@ -133,18 +135,25 @@ class Generator(ProgramSet, Admission):
         ``rows.default_host_tier``); ``prefix_block``: tokens per cached block (a power of two dividing
         ``CACHE_BUCKET``); ``max_image_tokens``: merged rows per image at most (``image_prefill.image_buckets``);
         ``spec_policy``: with ``spec_tokens``, "auto" (each step's draft lengths and sources chosen from
-        costs and acceptance, ``zoo.engine.spec_policy``) or "fixed" (k MTP drafts every step)."""
+        costs and acceptance, ``zoo.engine.spec_policy``) or "fixed" (k MTP drafts every step);
+        ``interleave_ratio``: while rows decode, a step's prefill pieces are estimated to keep a stream
+        waiting at most this many decode steps (``zoo.engine.prefill_pace``: pieces narrowed to the
+        small width; ``zoo serve`` uses ``INTERLEAVE_RATIO``); None: one chunk's tokens per step,
+        whatever they take. Narrowed pieces follow measured timings, and a prompt prefilled in other
+        widths sums in another order: its logprobs may differ from an unnarrowed run's in float32's
+        last digits (~1e-5), so outputs are reproducible run to run only with None."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
         self.k, self.max_image_tokens = int(spec_tokens), int(max_image_tokens)
         self.spec_policy = SpecPolicy(self.k, spec_policy, lockstep=jax.process_count() > 1) if self.k else None
-        self._ran: set[str] = set()                        # decode programs run (timed from their second run)
+        self._ran: set[str] = set()                        # programs run (timed from their second run)
         if prefill_chunk < PREFILL_MIN or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.prefill_small = max(PREFILL_MIN, prefill_chunk // 16)
         self.prefill_budget: int | None = prefill_chunk     # prefill tokens a step runs while rows decode
+        self.pace = PrefillPace(interleave_ratio, lockstep=jax.process_count() > 1)   # and their time
         positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
         self.context = int(context or min(DEFAULT_CONTEXT, positions))
         if self.context < 1:
@@ -422,6 +431,10 @@ class Generator(ProgramSet, Admission):
             return True
         seconds = time.perf_counter() - t0
         self.mask_schedule.timed(seconds)
+        kind = "decode masked" if masked else "decode" if plan is None else f"decode {plan.option == 'off'}"
+        if kind in self._ran:          # a program's first run may have compiled it: not a step's cost
+            self.pace.decode_took(seconds)
+        self._ran.add(kind)
         if plan is not None:           # a program's first run may have compiled it: not a step's cost
             program = "off" if plan.option == "off" else "drafts"
             timed = not masked and program in self._ran

@@ -20,8 +20,9 @@ output grammar as its ``OutputGrammar``, each process compiles its own matcher).
 matched by each process's engine, so the followers end a request where the leader does. Nothing
 the engine decides may depend on a timing: a constrained row waits for its mask however long it
 takes (``MaskSchedule.share`` None; on one process a late mask sits the row out instead). The
-speculation policy decides from step costs the leader timed: each plan carries its cost table
-(``SpecPolicy.export``), which every process, the leader too, loads before the step.
+speculation policy and the prefill's time budget decide from step costs the leader timed: each plan
+carries their tables (``SpecPolicy.export``, ``PrefillPace.export``), which every process, the leader
+too, loads before the step.
 
 ``Leader`` has the generator methods the server's engine thread uses (``make_request``, ``submit``,
 ``cancel``, ``run_forever``, ``faults``, ...), so ``zoo serve`` puts it where a ``Generator`` would
@@ -158,6 +159,8 @@ class Leader:
         if policy is not None and policy.mode == "auto":    # the step costs it decides from, as the followers
             plan["spec"] = json.loads(json.dumps(policy.export()))
             policy.load(plan["spec"])
+        plan["pace"] = json.loads(json.dumps(self.gen.pace.export()))    # the prefill's time budget, alike
+        self.gen.pace.load(plan["pace"])
         self.channel.put(self.n, plan)
         self.n += 1
         for kind, req in events:
@@ -209,6 +212,8 @@ class Follower:
                     self.gen.cancel(([first] + first.forks)[e.get("choice", 0)])
             if "spec" in plan:
                 self.gen.spec_policy.load(plan["spec"])
+            if "pace" in plan:
+                self.gen.pace.load(plan["pace"])
             self.gen.step()
             self.n += 1
             self.reqs = {i: r for i, r in self.reqs.items() if not all(m.done.is_set() for m in [r] + r.forks)}

@@ -87,7 +87,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_
                prefix_cache_gb: float | None = None, prefix_cache_host_gb: float | None = None,
                max_body_bytes: int = transport.MAX_BODY_BYTES,
                body_timeout_s: float | None = transport.BODY_TIMEOUT_S, replica=None,
-               image_policy: ImagePolicy | None = None, max_image_tokens: int = 1024) -> FastAPI:
+               image_policy: ImagePolicy | None = None, max_image_tokens: int = 1024,
+               interleave_ratio: float | None = None) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP drafts
@@ -115,7 +116,10 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_
     a text-only model answers an image with 400. max_image_tokens: merged rows (placeholder tokens) per
     image at most: images are resized to at most ``max_image_tokens * (patch * merge)**2`` pixels, and
     the engine's tower compiles one program per bucket 256, 512, ... up to it
-    (``zoo.engine.image_prefill.image_buckets``). The engine is ``app.state.service.engine``; ``serve``
+    (``zoo.engine.image_prefill.image_buckets``). interleave_ratio: while rows decode, a step's prefill
+    keeps a stream waiting at most about this many decode steps (``zoo.engine.prefill_pace``; None:
+    one chunk per step, and outputs reproducible run to run; ``zoo serve``'s default is
+    ``prefill_pace.INTERLEAVE_RATIO``). The engine is ``app.state.service.engine``; ``serve``
     drains it on SIGTERM.
     """
     if thinking_budget is not None and thinking_budget < 1:
@@ -127,7 +131,8 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_
     vision = VisionInputs.from_model(model, image_policy, max_image_tokens)        # None: text only
     generator = Generator(model, spec_tokens=spec_tokens, spec_policy=spec_policy, max_batch=max_batch, context=context,
                           memory_budget=memory_budget, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
-                          prefix_cache_host_gb=prefix_cache_host_gb, max_image_tokens=max_image_tokens)
+                          prefix_cache_host_gb=prefix_cache_host_gb, max_image_tokens=max_image_tokens,
+                          interleave_ratio=interleave_ratio)
     context, rows = generator.context, generator.rows
     metrics = Metrics()
     if generator.prefix is not None:
