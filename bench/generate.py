@@ -43,7 +43,7 @@ class Config:
         self.dt = self.decode_dt = float("inf")
         gen = self.gen
         gen.generate(prompts, max_new_tokens=n_tokens, temperature=0.0)     # every program and cache size
-        step_fn, prefill_into = gen._step_fn, gen._prefill_into
+        step_fn, prefill_waiting = gen._step_fn, gen._prefill_waiting
 
         def counted(*a, **kw):
             self.calls["step"] += 1
@@ -51,11 +51,11 @@ class Config:
 
         def timed_prefill(*a, **kw):                        # admission: prefill + each row's first token
             t0 = time.perf_counter()
-            prefill_into(*a, **kw)
+            prefill_waiting(*a, **kw)
             jax.block_until_ready(gen._batch)
             self.calls["prefill_s"] += time.perf_counter() - t0
 
-        gen._step_fn, gen._prefill_into = counted, timed_prefill
+        gen._step_fn, gen._prefill_waiting = counted, timed_prefill
 
     def once(self) -> None:
         """One timed run; keeps the fastest end-to-end and decode times seen."""

@@ -141,7 +141,7 @@ class Admission:
 
     def _prefill_piece(self, prompt: np.ndarray, a: int, e: int, w: int, cache, h_prev, want: bool, mm=None):
         """Prompt tokens ``a .. e-1`` of ``prompt`` as one piece of width ``w`` into the one-row
-        ``cache`` (donated); returns what ``_prefill_impl`` returns."""
+        ``cache`` (donated); returns what ``step_programs.prefill_piece`` returns."""
         ids, mask, nxt, nxt_mask = piece_inputs(prompt, a, e, w)
         extra = {} if mm is None else {"mm": mm}
         return self._prefill_fn(self._state, ids, mask, h_prev, nxt, nxt_mask, cache, np.bool_(want), **extra)

@@ -17,8 +17,9 @@ request (prompt and output), ``rows`` = ``max_batch`` or fewer, as many as ``mem
 (the batch's cache and one prefill row), ``L`` cache slots per row (the context, the verify
 overshoot and a prefill piece's padding, rounded up to ``CACHE_BUCKET``).
 
-A step is ONE compiled program for the whole model (``_step_impl``: plain or
-``speculative.spec_step``); the cache is donated. A new request is prefilled alone into a one-row
+A step is ONE compiled program for the whole model (``step_programs.decode_step``: plain or
+``speculative.spec_step``); the cache is donated. Generators over equal models share their
+compiled programs (``step_programs.shared_program``). A new request is prefilled alone into a one-row
 cache of L slots, in pieces that end at every multiple of ``prefill_chunk`` tokens, at its
 ``cache_marks`` and at the prompt's end (``_plan``), each piece of one of two widths, the chunk or
 ``prefill_small`` (= chunk / 16, at least ``PREFILL_MIN``), right-padded; ``zoo compile`` chooses
@@ -76,7 +77,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import inspect
 import logging
 import threading
 import time
@@ -88,14 +88,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zoo.engine import speculative
 from zoo.engine.admission import Admission
 from zoo.engine.constraint import Constraint, OutputGrammar, compile_constraints, llg_tokenizer, mask_words
 from zoo.engine.fill import Fill, round_up
 from zoo.engine.image_prefill import ImagePrefill, check_images, multimodal
-from zoo.engine.logprobs import TokenLogprob, maybe_token_logprobs, records, to_numpy
+from zoo.engine.logprobs import TokenLogprob, records, to_numpy
 from zoo.engine.mask_schedule import MaskSchedule
-from zoo.engine.masked_step import MaskedPrograms, pick_next
+from zoo.engine.masked_step import MaskedPrograms
 from zoo.engine.options import RequestOptions, check_token_ids
 from zoo.engine.prefill_pace import PrefillPace
 from zoo.engine.prefix_cache import PrefixCache, token_strides
@@ -103,8 +102,8 @@ from zoo.engine.prefix_rows import PrefixRows
 from zoo.engine.programs import ProgramSet
 from zoo.engine.request import Generation, ImageInput, Request
 from zoo.engine.rows import default_host_tier, default_memory_budget, first_token, place
-from zoo.engine.sampling import flag_nonfinite, position_keys
 from zoo.engine.spec_policy import SpecPolicy
+from zoo.engine.step_programs import shared_program
 from zoo.engine.thinking_budget import ThinkingBudget
 from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import host_value, on_mesh
@@ -176,18 +175,18 @@ class Generator(ProgramSet, Admission):
         self._rows: list[Request | None] = [None] * self._B
         self._batch = None                                  # made on first use (``_ensure_batch``)
         self._fill: Fill | None = None                      # the prompt being prefilled (``zoo.engine.fill``)
-        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
-        self._step_off_fn = jax.jit(functools.partial(self._step_impl, k_run=0), donate_argnums=(1,))
-        self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(6,))
+        mesh = getattr(model, "mesh", None)
+        # the whole-model programs: one jitted copy per configuration in the process (``step_programs``)
+        self._step_fn = shared_program("decode", self._graphdef, self.k, mesh)
+        self._step_off_fn = shared_program("decode off", self._graphdef, self.k, mesh)
+        self._prefill_fn = shared_program("prefill", self._graphdef, self.k, mesh)
         self._place_fn = jax.jit(functools.partial(place, k=self.k), donate_argnums=(0,))
         self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
         self._first_fn = jax.jit(first_token)
         for name in ("_step_fn", "_step_off_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
-        self._masked = MaskedPrograms(self._graphdef, self.k, mesh := getattr(model, "mesh", None))
+        self._masked = MaskedPrograms(self._graphdef, self.k, mesh)
         self._images = ImagePrefill(model, self._graphdef, mesh, self.max_image_tokens) if multimodal(model) else None
-        mtp = getattr(model.module, "mtp_forward", None)
-        self._mtp_mm = mtp is not None and "mm" in inspect.signature(mtp).parameters   # GLM: MTP takes the rows
         self.vocab = int(model.config.vocab_size)           # the logits' width
         self._mask_words = mask_words(self.vocab)
         self._all_ones = None                               # the resident all-allowed masks (``_masks``)
@@ -258,58 +257,6 @@ class Generator(ProgramSet, Admission):
                   "top_p": jnp.ones((rows,), jnp.float32), "seed": jnp.zeros((rows,), jnp.uint32),
                   "step": jnp.zeros((rows,), jnp.int32)}
         return {"cache": cache, "carry": carry, "params": params}
-
-    def _prefill_impl(self, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None):
-        """One prompt piece ``ids`` [1, C], right-padded (``mask``: its real tokens first), written at
-        the cache's index; the index then advances by the real tokens only, so the row stays compact
-        (slot s holds position s) and the next piece overwrites the padding. With spec, also the MTP
-        rows of the piece, lagged by one: the row of token x_t pairs it with h_{t-1} (``h_prev``
-        [1, D] for the first, the previous piece's last hidden state) and sits in slot t, so the MTP
-        slots of a block depend on that block's tokens only (the prefix cache shares them).
-        Returns (logits [1, V] and hidden [1, D] at the last real token, cache, the
-        ``maybe_token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t;
-        computed where the traced bool ``want_lp`` holds)).
-        ``mm``: the piece's image inputs (``ImagePrefill.piece``), None for text."""
-        model = nnx.merge(self._graphdef, state)
-        count = mask.sum(axis=1, dtype=jnp.int32)
-        index, has_prev = cache.slots.index, cache.slots.pos > 0
-        logits, hidden, cache = model(ids, mask, cache) if mm is None else model(ids, mask, cache, mm=mm)
-        cache = cache.replace(slots=cache.slots.replace(index=index + count))
-        if self.k:
-            mtp_index = cache.mtp.slots.index
-            rows = mask & jnp.concatenate([has_prev[:, None], mask[:, :-1]], axis=1)
-            h_in = jnp.concatenate([h_prev[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
-            mtp_mm = {} if mm is None or not self._mtp_mm else {"mm": mm._replace(positions=None)}
-            _, _, cache = model.mtp_forward(h_in, ids, rows, cache, **mtp_mm)   # row t embeds x_t: mm aligned
-            cache = cache.replace(mtp=cache.mtp.replace(slots=cache.mtp.slots.replace(index=mtp_index + count)))
-        last = jnp.maximum(count - 1, 0)
-        logits_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        return logits_last, hidden_last, shard_cache(cache), maybe_token_logprobs(want_lp, logits, next_ids)
-
-    def _step_impl(self, state, batch, active, force, cap, want_lp, plan=None, k_run: int | None = None):
-        """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
-        ``cap`` [B] int32: the most tokens a speculative row may emit this step; ``plan``: the
-        speculation policy's per-row draft lengths and host drafts (``zoo.engine.speculative``);
-        ``k_run`` 0: the speculative generator's step with drafting off. Returns
-        (batch, tokens [B, T], n [B]: -1 for a row whose logits are not finite, the
-        ``maybe_token_logprobs`` of ``tokens`` ([B, T] leaves) from the target model's logits (the
-        verify logits when speculating), computed where the traced bool ``want_lp`` holds)."""
-        model = nnx.merge(self._graphdef, state)
-        cache, carry, params = batch["cache"], batch["carry"], batch["params"]
-        if self.k:
-            k = self.k if k_run is None else k_run
-            cache, carry, tokens, n, logits = speculative.spec_step(model, cache, carry, active,
-                                                                    position_keys(params, k + 1), params, k, force,
-                                                                    cap, with_logits=True, plan=plan)
-        else:
-            logits, _, cache = model(carry["tok"][:, None], active[:, None], cache)
-            carry, new = pick_next(carry["tok"], params, logits[:, 0], active, force)
-            tokens, n = new[:, None], active.astype(jnp.int32)
-        params = {**params, "step": params["step"] + n}          # the output position of each row's next token
-        n = flag_nonfinite(n, logits)
-        batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
-        return batch, tokens, n, maybe_token_logprobs(want_lp, logits, tokens)
 
     def _replicated(self, x):
         """``x`` as the one kind of array a program sees for it, wherever it came from (a program's

@@ -1,6 +1,6 @@
 """The decode step split around the host's token bitmasks, for batches where some row is constrained.
 
-A plain step is one program (``Generator._step_impl``). When a row has a ``Constraint``, its mask
+A plain step is one program (``step_programs.decode_step``). When a row has a ``Constraint``, its mask
 for this step depends on every token it emitted, and the host computes it with llguidance; so the
 step is cut where the logits exist, the host fills the masks while the device runs the first part
 (JAX dispatches asynchronously), and the second part masks and samples::

@@ -17,8 +17,8 @@ batch state a configuration holds per device.
 
 The Generator provides the state these read (``_state``, ``_B``, ``_L``, ``k``, ``prefill_small``,
 ``prefill_chunk``, ``prefix``, ``model``, ``_masked`` (its ``MaskedPrograms``), ``_mask_words``, the jitted
-callables ``_empty_fn``, ``_first_fn``, ``_place_fn``, ``_step_fn``, and ``_step_impl``,
-``_prefill_impl``, ``_empty_impl``; ``_images``: the
+callables ``_empty_fn``, ``_first_fn``, ``_place_fn``, ``_step_fn``, ``_graphdef`` (the programs are
+``zoo.engine.step_programs``'), ``_empty_impl``; ``_images``: the
 ``zoo.engine.image_prefill.ImagePrefill`` or None, whose own programs ``warmup`` runs too).
 """
 
@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo.engine.options import RequestOptions
 from zoo.engine.spec_policy import Plan
+from zoo.engine.step_programs import DONATED, program_impl
 from zoo.sharding.cache_axes import cache_shardings
 from zoo.sharding.mesh import on_mesh
 
@@ -52,9 +53,8 @@ class ProgramSet:
         want_lp)``, the cache donated), not wrapped in the model's mesh: lower it under ``jax.set_mesh``
         (``zoo.tools.compile_report``). ``keep_unused``: the weights a program does not read stay
         arguments (resident memory)."""
-        impl, donate = {"decode": (self._step_impl, (1,)), "prefill": (self._prefill_impl, (6,)),
-                        "decode off": (functools.partial(self._step_impl, k_run=0), (1,))}[name]
-        return jax.jit(impl, donate_argnums=donate, keep_unused=keep_unused)
+        impl = functools.partial(program_impl(name), self._graphdef, self.k)
+        return jax.jit(impl, donate_argnums=DONATED[name], keep_unused=keep_unused)
 
     @property
     def drafts_off(self) -> bool:

@@ -15,7 +15,7 @@ tokens are real::
     logits, hidden, cache = model(ids, mask, model.init_cache(B, T))     hidden: post-norm [B, T, D]
 
 MTP head (the token after next), exactly as the speculative decoder uses it
-(``zoo.engine.speculative``, ``Generator._prefill_impl``): row t pairs the main model's post-norm
+(``zoo.engine.speculative``, ``step_programs.prefill_piece``): row t pairs the main model's post-norm
 hidden state h_t with the next token x_{t+1} and predicts x_{t+2}; the rows run in order through the
 MTP layer's own (fresh) cache, row t at MTP position t, as the prefill lays them out::
 

@@ -1,0 +1,42 @@
+"""``zoo.engine.step_programs``: generators over equal models share their compiled programs (one
+jitted copy per configuration in the process); a model that differs (its dtype) gets its own."""
+
+from __future__ import annotations
+
+import jax.monitoring
+
+import zoo
+from zoo.engine.generator import Generator
+from zoo.engine.step_programs import SHARED, _programs, shared_program
+
+TRACE = "/jax/core/compile/jaxpr_trace_duration"
+
+
+def test_a_second_generator_over_an_equal_model_traces_nothing():
+    first, second = zoo.load("qwen38-tiny"), zoo.load("qwen38-tiny")       # two loads: equal, not the same
+    other = zoo.load("qwen38-tiny", dtype="float32")
+    traced: list[str] = []
+
+    def listen(event, secs, **kw):
+        if event == TRACE:
+            traced.append(str(kw.get("fun_name")))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        check(first, second, other, traced)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def check(first, second, other, traced):
+    want = Generator(first, max_batch=2, prefix_cache=0).generate([[5, 6, 7]], max_new_tokens=4)[0].tokens
+    assert {"decode_step", "prefill_piece"} <= set(traced)                   # the first one traced them
+    traced.clear()
+    gen = Generator(second, max_batch=2, prefix_cache=0)
+    assert gen._step_fn is shared_program("decode", gen._graphdef, 0) and gen._prefill_fn is shared_program(
+        "prefill", gen._graphdef, 0)
+    assert gen.generate([[5, 6, 7]], max_new_tokens=4)[0].tokens == want
+    assert not {"decode_step", "prefill_piece"} & set(traced), traced        # nothing traced again
+    gen32 = Generator(other, max_batch=2, prefix_cache=0)
+    assert gen32._step_fn is not gen._step_fn and gen32._prefill_fn is not gen._prefill_fn
+    assert Generator(first, max_batch=2, spec_tokens=2, prefix_cache=0)._step_fn is not gen._step_fn   # k differs
+    assert len(_programs) <= SHARED

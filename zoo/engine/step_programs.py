@@ -1,0 +1,120 @@
+"""The engine's two whole-model programs as functions of the model's structure (``nnx`` graphdef) and
+the MTP draft count, and one jitted copy of each per configuration, shared by every ``Generator``
+of the process (``shared_program``): a second engine over an equal model (the same config, dtype,
+layout) reuses the first one's compiled programs instead of tracing, lowering and loading them again.
+
+    prefill_piece(graphdef, k, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None)
+    decode_step(graphdef, k, state, batch, active, force, cap, want_lp, plan=None, k_run=None)
+    shared_program(kind, graphdef, k, mesh) -> the jitted program ("prefill", "decode", "decode off")
+
+A program reads nothing but its arguments, the graphdef and k (the graphdef carries every static
+attribute of the model: its config, dtype, kernels), so equal keys trace equal programs. The
+registry keeps the ``SHARED`` most recently asked-for configurations (their executables live as long
+as they are kept).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import threading
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zoo.engine import speculative
+from zoo.engine.logprobs import maybe_token_logprobs
+from zoo.engine.masked_step import pick_next
+from zoo.engine.sampling import flag_nonfinite, position_keys
+from zoo.sharding.cache_axes import shard_cache
+
+SHARED = 16                   # configurations whose programs the registry keeps
+_programs: collections.OrderedDict = collections.OrderedDict()
+_lock = threading.Lock()
+
+
+def takes_rows(model) -> bool:
+    """Whether the model's MTP forward takes the image rows (``mm``; GLM's does)."""
+    mtp = getattr(model, "mtp_forward", None)
+    return mtp is not None and "mm" in inspect.signature(mtp).parameters
+
+
+def shared_program(kind: str, graphdef, k: int, mesh=None):
+    """The jitted ``kind`` program of this configuration ("prefill": ``prefill_piece`` with its one-row
+    cache donated; "decode": ``decode_step`` with the batch donated; "decode off": the same with
+    drafting off), one per (kind, graphdef, k, mesh) in the process."""
+    key = (kind, graphdef, int(k), mesh)
+    with _lock:
+        if key in _programs:
+            _programs.move_to_end(key)
+            return _programs[key]
+        program = jax.jit(functools.partial(program_impl(kind), graphdef, int(k)), donate_argnums=DONATED[kind])
+        _programs[key] = program
+        while len(_programs) > SHARED:
+            _programs.popitem(last=False)
+        return program
+
+
+def program_impl(kind: str):
+    """The function of ``kind`` (its donated argument: ``DONATED[kind]``, counted after graphdef and k)."""
+    return {"prefill": prefill_piece, "decode": decode_step,
+            "decode off": functools.partial(decode_step, k_run=0)}[kind]
+
+
+DONATED = {"prefill": (6,), "decode": (1,), "decode off": (1,)}
+
+
+def prefill_piece(graphdef, k: int, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None):
+    """One prompt piece ``ids`` [1, C], right-padded (``mask``: its real tokens first), written at
+    the cache's index; the index then advances by the real tokens only, so the row stays compact
+    (slot s holds position s) and the next piece overwrites the padding. With spec, also the MTP
+    rows of the piece, lagged by one: the row of token x_t pairs it with h_{t-1} (``h_prev``
+    [1, D] for the first, the previous piece's last hidden state) and sits in slot t, so the MTP
+    slots of a block depend on that block's tokens only (the prefix cache shares them).
+    Returns (logits [1, V] and hidden [1, D] at the last real token, cache, the
+    ``maybe_token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t;
+    computed where the traced bool ``want_lp`` holds)).
+    ``mm``: the piece's image inputs (``ImagePrefill.piece``), None for text."""
+    model = nnx.merge(graphdef, state)
+    count = mask.sum(axis=1, dtype=jnp.int32)
+    index, has_prev = cache.slots.index, cache.slots.pos > 0
+    logits, hidden, cache = model(ids, mask, cache) if mm is None else model(ids, mask, cache, mm=mm)
+    cache = cache.replace(slots=cache.slots.replace(index=index + count))
+    if k:
+        mtp_index = cache.mtp.slots.index
+        rows = mask & jnp.concatenate([has_prev[:, None], mask[:, :-1]], axis=1)
+        h_in = jnp.concatenate([h_prev[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
+        mtp_mm = {} if mm is None or not takes_rows(model) else {"mm": mm._replace(positions=None)}
+        _, _, cache = model.mtp_forward(h_in, ids, rows, cache, **mtp_mm)   # row t embeds x_t: mm aligned
+        cache = cache.replace(mtp=cache.mtp.replace(slots=cache.mtp.slots.replace(index=mtp_index + count)))
+    last = jnp.maximum(count - 1, 0)
+    logits_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    hidden_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return logits_last, hidden_last, shard_cache(cache), maybe_token_logprobs(want_lp, logits, next_ids)
+
+def decode_step(graphdef, k: int, state, batch, active, force, cap, want_lp, plan=None,
+                k_run: int | None = None):
+    """One decode step; ``force`` [B] int32: the token a row must emit this step (-1: sample);
+    ``cap`` [B] int32: the most tokens a speculative row may emit this step; ``plan``: the
+    speculation policy's per-row draft lengths and host drafts (``zoo.engine.speculative``);
+    ``k_run`` 0: the speculative generator's step with drafting off. Returns
+    (batch, tokens [B, T], n [B]: -1 for a row whose logits are not finite, the
+    ``maybe_token_logprobs`` of ``tokens`` ([B, T] leaves) from the target model's logits (the
+    verify logits when speculating), computed where the traced bool ``want_lp`` holds)."""
+    model = nnx.merge(graphdef, state)
+    cache, carry, params = batch["cache"], batch["carry"], batch["params"]
+    if k:
+        k = k if k_run is None else k_run
+        cache, carry, tokens, n, logits = speculative.spec_step(model, cache, carry, active,
+                                                                position_keys(params, k + 1), params, k, force,
+                                                                cap, with_logits=True, plan=plan)
+    else:
+        logits, _, cache = model(carry["tok"][:, None], active[:, None], cache)
+        carry, new = pick_next(carry["tok"], params, logits[:, 0], active, force)
+        tokens, n = new[:, None], active.astype(jnp.int32)
+    params = {**params, "step": params["step"] + n}          # the output position of each row's next token
+    n = flag_nonfinite(n, logits)
+    batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
+    return batch, tokens, n, maybe_token_logprobs(want_lp, logits, tokens)
