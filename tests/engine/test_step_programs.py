@@ -34,9 +34,11 @@ def check(first, second, other, traced):
     gen = Generator(second, max_batch=2, prefix_cache=0)
     assert gen._step_fn is shared_program("decode", gen._graphdef, 0) and gen._prefill_fn is shared_program(
         "prefill", gen._graphdef, 0)
+    assert gen._masked is Generator(first, max_batch=2, prefix_cache=0)._masked    # and the masked step's parts
     assert gen.generate([[5, 6, 7]], max_new_tokens=4)[0].tokens == want
     assert not {"decode_step", "prefill_piece"} & set(traced), traced        # nothing traced again
     gen32 = Generator(other, max_batch=2, prefix_cache=0)
     assert gen32._step_fn is not gen._step_fn and gen32._prefill_fn is not gen._prefill_fn
+    assert gen32._masked is not gen._masked
     assert Generator(first, max_batch=2, spec_tokens=2, prefix_cache=0)._step_fn is not gen._step_fn   # k differs
     assert len(_programs) <= SHARED

@@ -94,7 +94,6 @@ from zoo.engine.fill import Fill, round_up
 from zoo.engine.image_prefill import ImagePrefill, check_images, multimodal
 from zoo.engine.logprobs import TokenLogprob, records, to_numpy
 from zoo.engine.mask_schedule import MaskSchedule
-from zoo.engine.masked_step import MaskedPrograms
 from zoo.engine.options import RequestOptions, check_token_ids
 from zoo.engine.prefill_pace import PrefillPace
 from zoo.engine.prefix_cache import PrefixCache, token_strides
@@ -103,7 +102,7 @@ from zoo.engine.programs import ProgramSet
 from zoo.engine.request import Generation, ImageInput, Request
 from zoo.engine.rows import default_host_tier, default_memory_budget, first_token, place
 from zoo.engine.spec_policy import SpecPolicy
-from zoo.engine.step_programs import shared_program
+from zoo.engine.step_programs import shared_masked_programs, shared_program
 from zoo.engine.thinking_budget import ThinkingBudget
 from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import host_value, on_mesh
@@ -185,7 +184,7 @@ class Generator(ProgramSet, Admission):
         self._first_fn = jax.jit(first_token)
         for name in ("_step_fn", "_step_off_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
-        self._masked = MaskedPrograms(self._graphdef, self.k, mesh)
+        self._masked = shared_masked_programs(self._graphdef, self.k, mesh)
         self._images = ImagePrefill(model, self._graphdef, mesh, self.max_image_tokens) if multimodal(model) else None
         self.vocab = int(model.config.vocab_size)           # the logits' width
         self._mask_words = mask_words(self.vocab)

@@ -6,6 +6,7 @@ layout) reuses the first one's compiled programs instead of tracing, lowering an
     prefill_piece(graphdef, k, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None)
     decode_step(graphdef, k, state, batch, active, force, cap, want_lp, plan=None, k_run=None)
     shared_program(kind, graphdef, k, mesh) -> the jitted program ("prefill", "decode", "decode off")
+    shared_masked_programs(graphdef, k, mesh) -> the step split around token masks (``masked_step``)
 
 A program reads nothing but its arguments, the graphdef and k (the graphdef carries every static
 attribute of the model: its config, dtype, kernels), so equal keys trace equal programs. The
@@ -26,7 +27,7 @@ from flax import nnx
 
 from zoo.engine import speculative
 from zoo.engine.logprobs import maybe_token_logprobs
-from zoo.engine.masked_step import pick_next
+from zoo.engine.masked_step import MaskedPrograms, pick_next
 from zoo.engine.sampling import flag_nonfinite, position_keys
 from zoo.sharding.cache_axes import shard_cache
 
@@ -41,20 +42,30 @@ def takes_rows(model) -> bool:
     return mtp is not None and "mm" in inspect.signature(mtp).parameters
 
 
-def shared_program(kind: str, graphdef, k: int, mesh=None):
-    """The jitted ``kind`` program of this configuration ("prefill": ``prefill_piece`` with its one-row
-    cache donated; "decode": ``decode_step`` with the batch donated; "decode off": the same with
-    drafting off), one per (kind, graphdef, k, mesh) in the process."""
-    key = (kind, graphdef, int(k), mesh)
+def _shared(key: tuple, make):
+    """The registry's entry for ``key``, made by ``make()`` the first time."""
     with _lock:
         if key in _programs:
             _programs.move_to_end(key)
             return _programs[key]
-        program = jax.jit(functools.partial(program_impl(kind), graphdef, int(k)), donate_argnums=DONATED[kind])
-        _programs[key] = program
+        _programs[key] = made = make()
         while len(_programs) > SHARED:
             _programs.popitem(last=False)
-        return program
+        return made
+
+
+def shared_program(kind: str, graphdef, k: int, mesh=None):
+    """The jitted ``kind`` program of this configuration ("prefill": ``prefill_piece`` with its one-row
+    cache donated; "decode": ``decode_step`` with the batch donated; "decode off": the same with
+    drafting off), one per (kind, graphdef, k, mesh) in the process."""
+    return _shared((kind, graphdef, int(k), mesh), lambda: jax.jit(
+        functools.partial(program_impl(kind), graphdef, int(k)), donate_argnums=DONATED[kind]))
+
+
+def shared_masked_programs(graphdef, k: int, mesh=None) -> MaskedPrograms:
+    """The decode step split around token masks (``masked_step.MaskedPrograms``), one per
+    (graphdef, k, mesh) in the process."""
+    return _shared(("masked", graphdef, int(k), mesh), lambda: MaskedPrograms(graphdef, int(k), mesh))
 
 
 def program_impl(kind: str):
