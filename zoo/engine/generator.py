@@ -100,11 +100,10 @@ from zoo.engine.prefix_cache import PrefixCache, token_strides
 from zoo.engine.prefix_rows import PrefixRows
 from zoo.engine.programs import ProgramSet
 from zoo.engine.request import Generation, ImageInput, Request
-from zoo.engine.rows import default_host_tier, default_memory_budget, first_token, place
+from zoo.engine.rows import default_host_tier, default_memory_budget
 from zoo.engine.spec_policy import SpecPolicy
-from zoo.engine.step_programs import shared_masked_programs, shared_program
+from zoo.engine.step_programs import empty_batch, shared_masked_programs, shared_program
 from zoo.engine.thinking_budget import ThinkingBudget
-from zoo.sharding.cache_axes import shard_cache
 from zoo.sharding.mesh import host_value, on_mesh
 from zoo.text.detokenize import TextDecoder, hidden_special_tokens
 
@@ -179,9 +178,9 @@ class Generator(ProgramSet, Admission):
         self._step_fn = shared_program("decode", self._graphdef, self.k, mesh)
         self._step_off_fn = shared_program("decode off", self._graphdef, self.k, mesh)
         self._prefill_fn = shared_program("prefill", self._graphdef, self.k, mesh)
-        self._place_fn = jax.jit(functools.partial(place, k=self.k), donate_argnums=(0,))
-        self._empty_fn = jax.jit(self._empty_impl, static_argnums=(0, 1))
-        self._first_fn = jax.jit(first_token)
+        self._place_fn = shared_program("place", None, self.k)
+        self._empty_fn = functools.partial(shared_program("empty", self._graphdef, self.k, mesh), self._state)
+        self._first_fn = shared_program("first", None, 0)
         for name in ("_step_fn", "_step_off_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
         self._masked = shared_masked_programs(self._graphdef, self.k, mesh)
@@ -245,17 +244,8 @@ class Generator(ProgramSet, Admission):
 
     # -- device programs ----------------------------------------------------------------------
     def _empty_impl(self, rows: int, length: int) -> dict:
-        model = nnx.merge(self._graphdef, self._state)
-        cache = shard_cache(model.init_cache(rows, length))
-        if not self.k:
-            cache = cache.without_mtp()
-        d = model.config.hidden_size
-        carry = ({"h": jnp.zeros((rows, self.k + 1, d), model.dtype), "tok": jnp.zeros((rows, self.k + 1), jnp.int32),
-                  "n": jnp.ones((rows,), jnp.int32)} if self.k else {"tok": jnp.zeros((rows,), jnp.int32)})
-        params = {"temperature": jnp.zeros((rows,), jnp.float32), "top_k": jnp.zeros((rows,), jnp.int32),
-                  "top_p": jnp.ones((rows,), jnp.float32), "seed": jnp.zeros((rows,), jnp.uint32),
-                  "step": jnp.zeros((rows,), jnp.int32)}
-        return {"cache": cache, "carry": carry, "params": params}
+        """The empty batch state for ``rows`` x ``length`` slots (``step_programs.empty_batch``)."""
+        return empty_batch(self._graphdef, self.k, self._state, rows, length)
 
     def _replicated(self, x):
         """``x`` as the one kind of array a program sees for it, wherever it came from (a program's

@@ -1,6 +1,7 @@
 """One generator's side of the prefix cache (``zoo.engine.prefix_cache``): the device programs that
 move one cache row in and out of it, for the model (``graphdef``), draft length ``k`` and mesh, and
-the restore / store calls built from them (entries keyed under ``root``, the model's identity).
+the restore / store calls built from them (entries keyed under ``root``, the model's identity). The
+programs (``RowCopies``) are shared by every generator of an equal configuration in the process.
 
     restore(snap, cache) -> (cache, hidden)    a fresh 1-row cache holding the snapshot's prefix
     store(tokens, row)                         cache the state after ``tokens`` (``row()``: the row)
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.engine.prefix_cache import PrefixCache, Snapshot, split_leaves
+from zoo.engine.step_programs import shared
 from zoo.sharding.cache_axes import map_with_axes, shard_cache, token_axis
 from zoo.sharding.mesh import host_value, on_mesh
 
@@ -42,11 +44,9 @@ class PrefixRows:
             raise ValueError(f"prefix block {block} is not a multiple of the tokens per entry of {bad}")
         self.prefix, self.root = prefix, root
         self.graphdef, self.k, self.strides, self.block = graphdef, k, strides, block
-        self.take_block = on_mesh(jax.jit(self._take_block), mesh)
-        self.take_rest = on_mesh(jax.jit(self._take_rest, static_argnames=("window",)), mesh)
-        self.put_block = on_mesh(jax.jit(self._put_block, donate_argnums=(0,)), mesh)
-        self.put_state = on_mesh(jax.jit(self._put_state, donate_argnums=(0,)), mesh)
-        self.row = on_mesh(jax.jit(self._row), mesh)
+        copies = shared_row_copies(graphdef, k, strides, block, mesh)     # one set per configuration
+        self.take_block, self.take_rest, self.put_block = copies.take_block, copies.take_rest, copies.put_block
+        self.put_state, self.row = copies.put_state, copies.row
 
     def restore(self, snap: Snapshot, cache):
         """A fresh 1-row ``cache`` holding the snapshot's prefix; returns (cache, h_{N-1} [1, D] or None)."""
@@ -87,6 +87,21 @@ class PrefixRows:
         for state in (rests[1]["state"], jax.tree.map(host_value, rests[1]["state"])):
             cache = self.put_state(cache, state)
         return cache
+
+
+class RowCopies:
+    """The jitted copies of one configuration (model ``graphdef``, draft length ``k``, per-token
+    ``strides``, ``block`` tokens per entry, ``mesh``): ``take_block``, ``take_rest``, ``put_block``,
+    ``put_state``, ``row`` (the module docstring). Shared by the generators of equal configurations
+    (``shared_row_copies``)."""
+
+    def __init__(self, graphdef, k: int, strides: dict[str, int], block: int, mesh=None):
+        self.graphdef, self.k, self.strides, self.block = graphdef, k, strides, block
+        self.take_block = on_mesh(jax.jit(self._take_block), mesh)
+        self.take_rest = on_mesh(jax.jit(self._take_rest, static_argnames=("window",)), mesh)
+        self.put_block = on_mesh(jax.jit(self._put_block, donate_argnums=(0,)), mesh)
+        self.put_state = on_mesh(jax.jit(self._put_state, donate_argnums=(0,)), mesh)
+        self.row = on_mesh(jax.jit(self._row), mesh)
 
     def _take_block(self, cache, start):
         def take(path, x, axes):
@@ -133,3 +148,9 @@ class PrefixRows:
         _, _, cache = model.mtp_forward(h, tok, rows, cache)
         cache = cache.replace(mtp=cache.mtp.replace(slots=cache.mtp.slots.replace(index=index + keep)))
         return shard_cache(cache), jnp.take_along_axis(h, keep[:, None, None], axis=1)[:, 0]
+
+
+def shared_row_copies(graphdef, k: int, strides: dict[str, int], block: int, mesh=None) -> RowCopies:
+    """The ``RowCopies`` of this configuration, one per process (``step_programs``' registry)."""
+    key = ("row copies", graphdef, int(k), tuple(sorted(strides.items())), int(block), mesh)
+    return shared(key, lambda: RowCopies(graphdef, int(k), dict(strides), int(block), mesh))

@@ -7,6 +7,7 @@ layout) reuses the first one's compiled programs instead of tracing, lowering an
     decode_step(graphdef, k, state, batch, active, force, cap, want_lp, plan=None, k_run=None)
     shared_program(kind, graphdef, k, mesh) -> the jitted program ("prefill", "decode", "decode off")
     shared_masked_programs(graphdef, k, mesh) -> the step split around token masks (``masked_step``)
+    shared(key, make) -> the registry's entry for key (``prefix_rows.shared_row_copies`` uses it)
 
 A program reads nothing but its arguments, the graphdef and k (the graphdef carries every static
 attribute of the model: its config, dtype, kernels), so equal keys trace equal programs. The
@@ -28,10 +29,11 @@ from flax import nnx
 from zoo.engine import speculative
 from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.masked_step import MaskedPrograms, pick_next
+from zoo.engine.rows import first_token, place
 from zoo.engine.sampling import flag_nonfinite, position_keys
 from zoo.sharding.cache_axes import shard_cache
 
-SHARED = 16                   # configurations whose programs the registry keeps
+SHARED = 48                   # programs (and masked-step sets) the registry keeps
 _programs: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()
 
@@ -42,8 +44,9 @@ def takes_rows(model) -> bool:
     return mtp is not None and "mm" in inspect.signature(mtp).parameters
 
 
-def _shared(key: tuple, make):
-    """The registry's entry for ``key``, made by ``make()`` the first time."""
+def shared(key: tuple, make):
+    """The registry's entry for ``key`` (hashable, naming what ``make`` builds from), made by ``make()``
+    the first time; the least recently asked-for beyond ``SHARED`` are dropped."""
     with _lock:
         if key in _programs:
             _programs.move_to_end(key)
@@ -57,15 +60,18 @@ def _shared(key: tuple, make):
 def shared_program(kind: str, graphdef, k: int, mesh=None):
     """The jitted ``kind`` program of this configuration ("prefill": ``prefill_piece`` with its one-row
     cache donated; "decode": ``decode_step`` with the batch donated; "decode off": the same with
-    drafting off), one per (kind, graphdef, k, mesh) in the process."""
-    return _shared((kind, graphdef, int(k), mesh), lambda: jax.jit(
+    drafting off; the small ones, ``_small_program``: "empty", "place", "first", whose graphdef may
+    be None where they do not read the model), one per (kind, graphdef, k, mesh) in the process."""
+    if kind in ("empty", "place", "first"):
+        return shared((kind, graphdef, int(k), mesh), lambda: _small_program(kind, graphdef, int(k)))
+    return shared((kind, graphdef, int(k), mesh), lambda: jax.jit(
         functools.partial(program_impl(kind), graphdef, int(k)), donate_argnums=DONATED[kind]))
 
 
 def shared_masked_programs(graphdef, k: int, mesh=None) -> MaskedPrograms:
     """The decode step split around token masks (``masked_step.MaskedPrograms``), one per
     (graphdef, k, mesh) in the process."""
-    return _shared(("masked", graphdef, int(k), mesh), lambda: MaskedPrograms(graphdef, int(k), mesh))
+    return shared(("masked", graphdef, int(k), mesh), lambda: MaskedPrograms(graphdef, int(k), mesh))
 
 
 def program_impl(kind: str):
@@ -75,6 +81,16 @@ def program_impl(kind: str):
 
 
 DONATED = {"prefill": (6,), "decode": (1,), "decode off": (1,)}
+
+
+def _small_program(kind: str, graphdef, k: int):
+    """The jitted small programs around the steps: "empty" (``empty_batch`` of (state, rows, length),
+    rows and length static), "place" (``rows.place``, the batch donated), "first" (``rows.first_token``)."""
+    if kind == "empty":
+        return jax.jit(functools.partial(empty_batch, graphdef, k), static_argnums=(1, 2))
+    if kind == "place":
+        return jax.jit(functools.partial(place, k=k), donate_argnums=(0,))
+    return jax.jit(first_token)
 
 
 def prefill_piece(graphdef, k: int, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None):
@@ -129,3 +145,19 @@ def decode_step(graphdef, k: int, state, batch, active, force, cap, want_lp, pla
     n = flag_nonfinite(n, logits)
     batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
     return batch, tokens, n, maybe_token_logprobs(want_lp, logits, tokens)
+
+
+def empty_batch(graphdef, k: int, state, rows: int, length: int) -> dict:
+    """The batch state of ``rows`` x ``length`` slots, zeroed: ``cache`` (the model's, without its MTP
+    part when ``k`` is 0), ``carry`` and the sampling ``params`` (``Generator``'s layout)."""
+    model = nnx.merge(graphdef, state)
+    cache = shard_cache(model.init_cache(rows, length))
+    if not k:
+        cache = cache.without_mtp()
+    d = model.config.hidden_size
+    carry = ({"h": jnp.zeros((rows, k + 1, d), model.dtype), "tok": jnp.zeros((rows, k + 1), jnp.int32),
+              "n": jnp.ones((rows,), jnp.int32)} if k else {"tok": jnp.zeros((rows,), jnp.int32)})
+    params = {"temperature": jnp.zeros((rows,), jnp.float32), "top_k": jnp.zeros((rows,), jnp.int32),
+              "top_p": jnp.ones((rows,), jnp.float32), "seed": jnp.zeros((rows,), jnp.uint32),
+              "step": jnp.zeros((rows,), jnp.int32)}
+    return {"cache": cache, "carry": carry, "params": params}
