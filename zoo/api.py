@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from zoo.engine.generator import Generator
+from zoo.engine.step_programs import shared
 from zoo.loader.abstract import abstract_load
 from zoo.loader.fill import fill_from_source
 from zoo.loader.open import DTYPES, check_recipe, dtype_of, open_checkpoint, resolve
@@ -153,8 +154,11 @@ class Model:
         self.tokenizer = tokenizer
         self.load_info = load_info
         self._graphdef, self._state = nnx.split(module)
-        self._logits_fn = on_mesh(jax.jit(functools.partial(_full_forward, self._graphdef)), mesh)
-        self._mtp_fn = on_mesh(jax.jit(functools.partial(_mtp_forward, self._graphdef)), mesh)
+        g = self._graphdef            # one jitted copy per equal model in the process (``step_programs.shared``)
+        logits = shared(("full forward", g, mesh), lambda: jax.jit(functools.partial(_full_forward, g)))
+        self._logits_fn = on_mesh(logits, mesh)
+        mtp = shared(("mtp forward", g, mesh), lambda: jax.jit(functools.partial(_mtp_forward, g)))
+        self._mtp_fn = on_mesh(mtp, mesh)
         self._generators = {}
 
     @staticmethod

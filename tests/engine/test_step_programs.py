@@ -1,5 +1,6 @@
 """``zoo.engine.step_programs``: generators over equal models share their compiled programs (one
-jitted copy per configuration in the process); a model that differs (its dtype) gets its own."""
+jitted copy per configuration in the process), and so do the models' full forwards (``Model.logits``);
+a model that differs (its dtype) gets its own."""
 
 from __future__ import annotations
 
@@ -41,4 +42,6 @@ def check(first, second, other, traced):
     assert gen32._step_fn is not gen._step_fn and gen32._prefill_fn is not gen._prefill_fn
     assert gen32._masked is not gen._masked
     assert Generator(first, max_batch=2, spec_tokens=2, prefix_cache=0)._step_fn is not gen._step_fn   # k differs
+    assert first._logits_fn is second._logits_fn and first._mtp_fn is second._mtp_fn      # the parity forwards
+    assert other._logits_fn is not first._logits_fn
     assert len(_programs) <= SHARED
