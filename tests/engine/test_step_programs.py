@@ -8,12 +8,13 @@ import jax.monitoring
 
 import zoo
 from zoo.engine.generator import Generator
-from zoo.engine.step_programs import SHARED, _programs, shared_program
+from zoo.engine.step_programs import SHARED, _programs, forget_shared, shared_program
 
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 
 
 def test_a_second_generator_over_an_equal_model_traces_nothing():
+    forget_shared()                      # nothing kept from other tests of this process: the first one traces
     first, second = zoo.load("qwen38-tiny"), zoo.load("qwen38-tiny")       # two loads: equal, not the same
     other = zoo.load("qwen38-tiny", dtype="float32")
     traced: list[str] = []

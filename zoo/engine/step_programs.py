@@ -8,6 +8,7 @@ layout) reuses the first one's compiled programs instead of tracing, lowering an
     shared_program(kind, graphdef, k, mesh) -> the jitted program ("prefill", "decode", "decode off")
     shared_masked_programs(graphdef, k, mesh) -> the step split around token masks (``masked_step``)
     shared(key, make) -> the registry's entry for key (``prefix_rows.shared_row_copies`` uses it)
+    forget_shared()       drop them all
 
 A program reads nothing but its arguments, the graphdef and k (the graphdef carries every static
 attribute of the model: its config, dtype, kernels), so equal keys trace equal programs. The
@@ -55,6 +56,13 @@ def shared(key: tuple, make):
         while len(_programs) > SHARED:
             _programs.popitem(last=False)
         return made
+
+
+def forget_shared() -> None:
+    """Drop every entry of the registry: later generators and models compile their programs anew
+    (their executables are freed once nothing else holds them)."""
+    with _lock:
+        _programs.clear()
 
 
 def shared_program(kind: str, graphdef, k: int, mesh=None):
