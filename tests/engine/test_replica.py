@@ -6,6 +6,7 @@ the same token, with the same text, seeds and finish."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -45,6 +46,27 @@ def model():
     return zoo.load("qwen38-tiny", dtype="float32")
 
 
+@contextlib.contextmanager
+def leader_and_follower(leader_gen: Generator, follower_gen: Generator):
+    """A ``Leader`` over ``leader_gen`` and a ``Follower`` over ``follower_gen`` on its own thread,
+    talking through a ``MemoryStore``; yields (leader, follower, the requests the follower was
+    submitted). On the way out the leader stops the follower, which must end."""
+    replayed = []
+    follower_submit = follower_gen.submit
+    follower_gen.submit = lambda req: replayed.append(req) or follower_submit(req)   # observed, not changed
+    store = MemoryStore()
+    follower = Follower(follower_gen, Channel(store))
+    thread = threading.Thread(target=follower.run, kwargs={"timeout_s": 600}, daemon=True)
+    thread.start()
+    leader = Leader(leader_gen, Channel(store))
+    try:
+        yield leader, follower, replayed
+    finally:
+        leader.close()
+        thread.join(600)
+    assert not thread.is_alive() and follower.n == leader.n
+
+
 def test_a_follower_gets_the_options_and_stops_where_the_leader_does(model):
     tok = model.tokenizer
     prompt = tok.encode("Once upon")
@@ -55,25 +77,12 @@ def test_a_follower_gets_the_options_and_stops_where_the_leader_does(model):
     options = RequestOptions(**sampling, stop=("never there", needle), stop_token_ids=(7,), n=2, logprobs=2,
                              detokenize=True, keep_special=("<tool_response>",), cache_marks=(2,))   # 7: that token
 
-    store = MemoryStore()
-    leader_gen, follower_gen = Generator(model, max_batch=4), Generator(model, max_batch=4)
-    replayed = []
-    follower_submit = follower_gen.submit
-    follower_gen.submit = lambda req: replayed.append(req) or follower_submit(req)   # observed, not changed
-    follower = Follower(follower_gen, Channel(store))
-    thread = threading.Thread(target=follower.run, kwargs={"timeout_s": 600}, daemon=True)
-    thread.start()
-    leader = Leader(leader_gen, Channel(store))
-    try:
+    with leader_and_follower(Generator(model, max_batch=4), Generator(model, max_batch=4)) as (leader, _, replayed):
         first = leader.submit(leader.make_request(prompt, options))
         assert set(first.replica_args["options"]) == {f.name for f in dataclasses.fields(RequestOptions)}
         assert first.replica_args == request_args(first)
         while not all(r.done.is_set() for r in [first] + first.forks):
             leader.step()
-    finally:
-        leader.close()
-        thread.join(600)
-    assert not thread.is_alive() and follower.n == leader.n
     [copy] = replayed
     assert copy.options == options and copy.options is not options
     for mine, theirs in zip([first] + first.forks, [copy] + copy.forks):
@@ -88,7 +97,6 @@ def test_followers_narrow_the_prefill_pieces_the_leader_does(model):
     pieces from the leader's timings (here a table that makes every piece narrow); the follower, whose
     own timings differ, loads the leader's table with each plan and runs the same pieces: the same
     prefill tokens at every step, and the same outputs."""
-    store = MemoryStore()
     make = lambda: Generator(model, max_batch=4, context=512, prefill_chunk=64, prefix_cache=0,   # noqa: E731
                              interleave_ratio=3.0)
     leader_gen, follower_gen = make(), make()
@@ -101,24 +109,13 @@ def test_followers_narrow_the_prefill_pieces_the_leader_does(model):
         step = gen.step
         gen.step = lambda step=step, gen=gen, name=name: (  # noqa: E731
             prefilled[name].append(gen.prefill_tokens), step())[1]
-    replayed = []
-    follower_submit = follower_gen.submit
-    follower_gen.submit = lambda req: replayed.append(req) or follower_submit(req)   # observed, not changed
-    follower = Follower(follower_gen, Channel(store))
-    thread = threading.Thread(target=follower.run, kwargs={"timeout_s": 600}, daemon=True)
-    thread.start()
-    leader = Leader(leader_gen, Channel(store))
-    try:
+    with leader_and_follower(leader_gen, follower_gen) as (leader, _, replayed):
         stream = leader.submit(leader.make_request([5, 17, 200, 33], max_new_tokens=40))
         for _ in range(3):
             leader.step()
         long = leader.submit(leader.make_request([(7 * i + 3) % 230 + 10 for i in range(150)], max_new_tokens=4))
         while not (stream.done.is_set() and long.done.is_set()):
             leader.step()
-    finally:
-        leader.close()
-        thread.join(600)
-    assert not thread.is_alive() and follower.n == leader.n
     steps = [b - a for a, b in zip(prefilled["leader"][1:], prefilled["leader"][2:])]
     assert 32 in steps and 64 not in steps                        # narrowed while the stream decoded
     assert prefilled["follower"] == prefilled["leader"]
