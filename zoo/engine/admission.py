@@ -119,7 +119,8 @@ class Admission:
 
     def _fill_piece(self, f: Fill, narrow: bool = False) -> int:
         """Run ``f``'s next piece (``narrow``: at the small width) and cache its snapshot; returns the
-        piece's width. Its time goes to ``pace`` (a width's first run may have compiled it: not timed)."""
+        piece's width. With a time budget its time goes to ``pace`` (a width's first run may have
+        compiled it: not timed)."""
         req = f.request
         a, e, w, snapshot = f.piece(self.prefill_chunk, self.prefill_small, self._L, narrow)
         want = req.options.prompt_logprobs is not None
@@ -127,10 +128,11 @@ class Admission:
         t0 = time.perf_counter()
         out = self._prefill_piece(f.prompt, a, e, w, f.cache, f.h_prev, want, mm)
         f.logits, f.h_prev, f.cache = out[:3]
-        jax.block_until_ready(f.h_prev)
-        if f"prefill {w}" in self._ran:
-            self.pace.piece_took(w, time.perf_counter() - t0)
-        self._ran.add(f"prefill {w}")
+        if self.pace.ratio is not None:           # timed for the budget (waits for the piece), else not
+            jax.block_until_ready(f.h_prev)
+            if f"prefill {w}" in self._ran:
+                self.pace.piece_took(w, time.perf_counter() - t0)
+            self._ran.add(f"prefill {w}")
         f.pos = e
         self.prefill_tokens += w
         if want:

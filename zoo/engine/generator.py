@@ -178,11 +178,11 @@ class Generator(ProgramSet, Admission):
         self._step_fn = shared_program("decode", self._graphdef, self.k, mesh)
         self._step_off_fn = shared_program("decode off", self._graphdef, self.k, mesh)
         self._prefill_fn = shared_program("prefill", self._graphdef, self.k, mesh)
-        self._place_fn = shared_program("place", None, self.k)
+        self._place_fn = shared_program("place", None, self.k, mesh)
         self._empty_fn = functools.partial(shared_program("empty", self._graphdef, self.k, mesh), self._state)
-        self._first_fn = shared_program("first", None, 0)
+        self._first_fn = shared_program("first", None, 0, mesh)
         for name in ("_step_fn", "_step_off_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
-            setattr(self, name, on_mesh(getattr(self, name), getattr(model, "mesh", None)))   # sharded model
+            setattr(self, name, on_mesh(getattr(self, name), mesh))   # sharded model
         self._masked = shared_masked_programs(self._graphdef, self.k, mesh)
         self._images = ImagePrefill(model, self._graphdef, mesh, self.max_image_tokens) if multimodal(model) else None
         self.vocab = int(model.config.vocab_size)           # the logits' width
@@ -367,15 +367,13 @@ class Generator(ProgramSet, Admission):
             return True
         seconds = time.perf_counter() - t0
         self.mask_schedule.timed(seconds)
-        kind = "decode masked" if masked else "decode" if plan is None else f"decode {plan.option == 'off'}"
-        if kind in self._ran:          # a program's first run may have compiled it: not a step's cost
+        program = "masked" if masked else "plain" if plan is None else "off" if plan.option == "off" else "drafts"
+        timed = program in self._ran   # a program's first run may have compiled it: not a step's cost
+        self._ran.add(program)
+        if timed:
             self.pace.decode_took(seconds)
-        self._ran.add(kind)
-        if plan is not None:           # a program's first run may have compiled it: not a step's cost
-            program = "off" if plan.option == "off" else "drafts"
-            timed = not masked and program in self._ran
-            self._ran.add(program)
-            self.spec_policy.observe(plan, rows, counts, cap, seconds if timed else None)
+        if plan is not None:           # the policy costs the fused programs only
+            self.spec_policy.observe(plan, rows, counts, cap, seconds if timed and not masked else None)
         for r, req in enumerate(rows):
             if req is None or req.finish_reason is not None:
                 continue

@@ -42,8 +42,7 @@ class PrefixRows:
         bad = {path: st for path, st in strides.items() if block % st}
         if bad:
             raise ValueError(f"prefix block {block} is not a multiple of the tokens per entry of {bad}")
-        self.prefix, self.root = prefix, root
-        self.graphdef, self.k, self.strides, self.block = graphdef, k, strides, block
+        self.prefix, self.root, self.block = prefix, root, block
         copies = shared_row_copies(graphdef, k, strides, block, mesh)     # one set per configuration
         self.take_block, self.take_rest, self.put_block = copies.take_block, copies.take_rest, copies.put_block
         self.put_state, self.row = copies.put_state, copies.row

@@ -68,12 +68,9 @@ def forget_shared() -> None:
 def shared_program(kind: str, graphdef, k: int, mesh=None):
     """The jitted ``kind`` program of this configuration ("prefill": ``prefill_piece`` with its one-row
     cache donated; "decode": ``decode_step`` with the batch donated; "decode off": the same with
-    drafting off; the small ones, ``_small_program``: "empty", "place", "first", whose graphdef may
+    drafting off; the small ones, ``_jitted``: "empty", "place", "first", whose graphdef may
     be None where they do not read the model), one per (kind, graphdef, k, mesh) in the process."""
-    if kind in ("empty", "place", "first"):
-        return shared((kind, graphdef, int(k), mesh), lambda: _small_program(kind, graphdef, int(k)))
-    return shared((kind, graphdef, int(k), mesh), lambda: jax.jit(
-        functools.partial(program_impl(kind), graphdef, int(k)), donate_argnums=DONATED[kind]))
+    return shared((kind, graphdef, int(k), mesh), lambda: _jitted(kind, graphdef, int(k)))
 
 
 def shared_masked_programs(graphdef, k: int, mesh=None) -> MaskedPrograms:
@@ -91,14 +88,17 @@ def program_impl(kind: str):
 DONATED = {"prefill": (6,), "decode": (1,), "decode off": (1,)}
 
 
-def _small_program(kind: str, graphdef, k: int):
-    """The jitted small programs around the steps: "empty" (``empty_batch`` of (state, rows, length),
-    rows and length static), "place" (``rows.place``, the batch donated), "first" (``rows.first_token``)."""
+def _jitted(kind: str, graphdef, k: int):
+    """``kind`` jitted for (graphdef, k): the whole-model programs (``program_impl``, ``DONATED``) and
+    the small ones around them: "empty" (``empty_batch`` of (state, rows, length), rows and length
+    static), "place" (``rows.place``, the batch donated), "first" (``rows.first_token``)."""
     if kind == "empty":
         return jax.jit(functools.partial(empty_batch, graphdef, k), static_argnums=(1, 2))
     if kind == "place":
         return jax.jit(functools.partial(place, k=k), donate_argnums=(0,))
-    return jax.jit(first_token)
+    if kind == "first":
+        return jax.jit(first_token)
+    return jax.jit(functools.partial(program_impl(kind), graphdef, k), donate_argnums=DONATED[kind])
 
 
 def prefill_piece(graphdef, k: int, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None):
