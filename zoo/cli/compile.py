@@ -34,7 +34,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub) -> None:
-    from zoo.tools.compile_report import TARGETS
+    from zoo.tools.targets import TARGETS
 
     p = sub.add_parser("compile", help="compile the server's program set for a target chip (no TPU needed): the "
                                        "decode steps, the prefill widths, the masked step parts; per-chip memory "

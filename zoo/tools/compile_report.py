@@ -49,6 +49,7 @@ from zoo.loader.abstract import abstract_load, shard_bytes, shard_bytes_of
 from zoo.sharding.mesh import get_layout
 from zoo.tools.hlo_traffic import traffic
 from zoo.tools.roofline import must_read, roofline, state_read
+from zoo.tools.targets import TARGETS, Target, get_target  # noqa: F401  (re-exported)
 
 GiB = 2 ** 30
 # the compiler's out-of-memory messages (two forms): what the program needs
@@ -59,35 +60,6 @@ def required_bytes(message: str) -> int | None:
     """What a program needs per chip, from the compiler's out-of-memory message (None: not one)."""
     found = _OOM.search(message)
     return None if found is None else int(float(found.group(1) or found.group(2)) * GiB)
-
-
-@dataclass(frozen=True)
-class Target:
-    """A compile target: its topology for ``jax.experimental.topologies`` and the accelerator type
-    libtpu expects in the environment."""
-
-    name: str
-    platform: str
-    topology: str
-    accelerator_type: str
-    backend: str            # the kernel dispatch backend its programs use (``zoo.kernels.dispatch``)
-
-
-TARGETS = {t.name: t for t in [
-    Target("v5e-1", "tpu", "v5e:1x1", "v5litepod-1", "tpu"),
-    Target("v5e-4", "tpu", "v5e:2x2", "v5litepod-4", "tpu"),
-    Target("v5e-8", "tpu", "v5e:2x4", "v5litepod-8", "tpu"),
-    Target("v6e-8", "tpu", "v6e:2x4", "v6e-8", "tpu"),
-    Target("v5p-8", "tpu", "v5p:2x2x1", "v5p-8", "tpu"),
-    Target("cpu", "cpu", "host", "", "reference"),
-]}
-
-
-def get_target(name: str) -> Target:
-    try:
-        return TARGETS[name]
-    except KeyError:
-        raise ValueError(f"unknown compile target {name!r}; known: {', '.join(TARGETS)}") from None
 
 
 def target_devices(target: Target) -> list:
