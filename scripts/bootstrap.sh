@@ -18,24 +18,24 @@ done
 
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 
+# Python writes the bytecode of what it imports into .venv and the checkout (both ignored by git), even
+# where the environment sets PYTHONDONTWRITEBYTECODE: there, every process would compile JAX, torch and
+# zoo from source again (measured: `import zoo.server.app` 4.4 s without bytecode, 1.5 s with it; a CLI
+# test file 15 s against 7 s). The first import of each module writes it; uv's --compile-bytecode
+# would compile every installed module at install instead (50 s more, mostly modules no job imports).
+unset PYTHONDONTWRITEBYTECODE
+
 # install REQUIREMENT: with uv where it installs (~30 s for the test extra against pip's ~150 s), taking
-# pip's configured package sources (scripts/uv_flags.py); with pip otherwise, or if uv fails. Both write
-# the bytecode of what they install (pip does by default, uv with --compile-bytecode), and zoo's own
-# sources are compiled after: where PYTHONDONTWRITEBYTECODE is set, Python would otherwise compile
-# JAX, torch and zoo from source in every process it starts (measured: `import zoo.server.app` 4.4 s
-# without bytecode, 1.5 s with it; a CLI test file 15 s against 7 s).
+# pip's configured package sources (scripts/uv_flags.py); with pip otherwise, or if uv fails.
 install() {
   local pip=(.venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir)
   if "${pip[@]}" 'uv==0.13.9' >/dev/null 2>&1 && mapfile -t flags < <(.venv/bin/python scripts/uv_flags.py) &&
-     .venv/bin/uv pip install -q --python .venv/bin/python --no-cache --compile-bytecode "${flags[@]}" "$@"; then
-    compile_sources
+     .venv/bin/uv pip install -q --python .venv/bin/python --no-cache "${flags[@]}" "$@"; then
     return 0
   fi
   echo "installing with pip" >&2
   "${pip[@]}" "$@"
-  compile_sources
 }
-compile_sources() { .venv/bin/python -m compileall -q -j 0 zoo tests bench scripts >/dev/null || true; }
 case "$job" in
   serve)
     install -e .

@@ -278,38 +278,6 @@ def _chunked_crc(nbytes: int, chunk_crc) -> int:
     return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), nbytes & 0xFFFFFFFF)
 
 
-def host_digest_copy(a: np.ndarray) -> tuple[int, np.ndarray]:
-    """``host_digest(a)`` and a copy of ``a`` in an aligned buffer (``zoo.formats.host_arrays``) made in
-    the same pass: each thread copies a 16 MiB chunk and hashes the copy while it is in cache, so the
-    restored bytes are read from memory once, and the copy becomes the device buffer on the CPU
-    backend without another copy."""
-    src = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    out = aligned_empty(src.shape, np.uint8)
-
-    def chunk(i: int) -> int:
-        np.copyto(out[i:i + _DIGEST_CHUNK], src[i:i + _DIGEST_CHUNK])
-        return zlib.crc32(memoryview(out[i:i + _DIGEST_CHUNK]))
-
-    return _chunked_crc(len(src), chunk), out.view(a.dtype).reshape(a.shape)
-
-
-def _digest_copying(arrays: dict[str, Any]):
-    """``(digest, copies)``: a digest function for ``shard_digests.verify`` that, for a leaf checked
-    whole, also keeps its aligned copy (``host_digest_copy``) in ``copies`` under (address, bytes);
-    a shard's record (a cache saved split over devices) is hashed in place."""
-    whole = {(a.ctypes.data, a.nbytes) for a in arrays.values() if isinstance(a, np.ndarray)}
-    copies: dict[tuple[int, int], np.ndarray] = {}
-
-    def digest(block: np.ndarray) -> int:
-        key = (block.ctypes.data, block.nbytes)
-        if key not in whole or key in copies:
-            return host_digest(block)
-        value, copies[key] = host_digest_copy(block)
-        return value
-
-    return digest, copies
-
-
 def group_records(arrays: dict[str, Any]) -> dict[str, list]:
     """The digest records of this process's shards of a group's leaves (``zoo.weight_cache.digests``)."""
     return {k: shard_digests.shard_records(v, host_digest) for k, v in arrays.items()}
@@ -515,6 +483,37 @@ def _check_files(entry: Path, group: str, files: dict[str, int]) -> None:
             raise CacheError(f"{entry}: {rel} has {path.stat().st_size} bytes, the save wrote {size} (truncated?)")
 
 
+@functools.lru_cache(maxsize=1)
+def _ts_context():
+    import tensorstore as ts
+    return ts.Context()
+
+
+def _read_leaves_here(state_dir: Path, target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
+    """A group's leaves as whole host arrays, each read by TensorStore straight into an aligned buffer
+    (``aligned_empty``): the arrays the restore checks and places (on the CPU backend the device
+    buffer is that memory). The leaves are the group's Orbax checkpoint's arrays (zarr2 in its OCDBT
+    store), opened with the spec Orbax reads them by; all are read at once. Orbax's own restore
+    returned arrays TensorStore allocated, which then needed an aligned copy: one more pass over
+    fresh memory per byte, and fresh memory is what a restore spends its time on (a page fault per
+    4 KiB)."""
+    import tensorstore as ts
+
+    writes, host = [], {}
+    for k, t in target.items():
+        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": k},
+                "recheck_cached_data": False, "recheck_cached_metadata": False}
+        src = ts.open(spec, open=True, read=True, context=_ts_context()).result()
+        if tuple(src.shape) != tuple(t.shape) or np.dtype(src.dtype.numpy_dtype) != np.dtype(t.dtype):
+            raise CacheError(f"{state_dir}: leaf {k} is {src.dtype.numpy_dtype}{list(src.shape)}, the manifest "
+                             f"says {np.dtype(t.dtype)}{list(t.shape)}")
+        host[k] = aligned_empty(t.shape, t.dtype)
+        writes.append(ts.array(host[k], copy=False, write=True).write(src))
+    for w in writes:
+        w.result()
+    return host
+
+
 def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtypeStruct],
                 files: dict[str, int]) -> dict[str, Any]:
     """One parameter group's leaves, checked against the target's shapes and dtypes: with one process
@@ -526,17 +525,17 @@ def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtype
     if not state_dir.is_dir():
         raise CacheError(f"{entry}: missing state for parameter group {group!r}")
     _check_files(entry, group, files)
-    if jax.process_count() == 1:
-        args = ocp.args.PyTreeRestore(
-            item={k: np.empty(0, t.dtype) for k, t in target.items()},
-            restore_args={k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=t.dtype) for k, t in target.items()})
-    else:
-        args = ocp.args.PyTreeRestore(
-            item=dict(target),
-            restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
-                          for k, t in target.items()})
     try:
-        host = ckptr.restore(state_dir, args=args)
+        if jax.process_count() == 1:
+            host = _read_leaves_here(state_dir, target)
+        else:
+            args = ocp.args.PyTreeRestore(
+                item=dict(target),
+                restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
+                              for k, t in target.items()})
+            host = ckptr.restore(state_dir, args=args)
+    except CacheError:
+        raise
     except Exception as e:      # orbax/tensorstore raise many kinds on truncated or missing files
         raise CacheError(f"{entry}: cannot restore parameter group {group!r} ({type(e).__name__}: "
                          f"{str(e)[:200]})") from None
@@ -628,14 +627,13 @@ def restore(entry: Path, mesh=None, dtype=None):
     restored = {}
     for group, target, arrays in _progress(_read_ahead(ckptr, entry, targets, manifest["files"]),
                                            "zoo cache restore", len(targets)):
-        digest, copies = _digest_copying(arrays)
-        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), digest)
+        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), host_digest)
         if bad is not None:
             raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
                              f"at leaf {bad} (corrupted cache)")
-        restored[group] = {k: jax.device_put(copies.get((a.ctypes.data, a.nbytes), a), target[k].sharding)
-                           if isinstance(a, np.ndarray) else a for k, a in arrays.items()}
-        del arrays, copies
+        restored[group] = {k: jax.device_put(a, target[k].sharding) if isinstance(a, np.ndarray) else a
+                           for k, a in arrays.items()}
+        del arrays
     for path, rec in manifest["params"].items():
         leaves = [restored[rec["group"]][str(rec["first"] + i)] for i in range(len(rec["leaves"]))]
         variables[path].set_value(jax.tree.unflatten(jax.tree.structure(rec["_abstract"]), leaves))
