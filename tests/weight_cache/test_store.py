@@ -80,7 +80,7 @@ def test_changed_source_or_recipe_rebuilds(tmp_path, capsys):
     assert other.config.hidden_size == 64
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove", "shape"])
 def test_corrupted_cache_rebuilds_never_wrong_weights(tmp_path, damage, capsys):
     src = tmp_path / "m.gguf"
     shutil.copy(DATA / "glm53-q256-udmix.gguf", src)
@@ -96,13 +96,19 @@ def test_corrupted_cache_rebuilds_never_wrong_weights(tmp_path, damage, capsys):
         victim.write_bytes(bytes(raw))
     elif damage == "truncate":
         victim.write_bytes(bytes(raw[: len(raw) // 2]))
-    else:
+    elif damage == "remove":
         shutil.rmtree(entry / "state" / "layers.1")
+    else:                       # the manifest says another shape than the stored array's
+        manifest = json.loads((entry / "manifest.json").read_text())
+        leaf = next(r["leaves"][0] for r in manifest["params"].values()
+                    if r["group"] == "layers.1" and len(r["leaves"][0]["shape"]) == 2)
+        leaf["shape"] = [leaf["shape"][0] + 1, *leaf["shape"][1:]]
+        (entry / "manifest.json").write_text(json.dumps(manifest))
     again = zoo.load(src, dtype="float32", cache=tmp_path / "c")
     assert again.load_info["source"] == "source"
     err = capsys.readouterr().err
     why = {"flip": "does not match its recorded digest", "truncate": f"{victim.name} has {len(raw) // 2} bytes",
-           "remove": "missing"}[damage]
+           "remove": "missing", "shape": "the manifest says"}[damage]
     assert "rebuilding" in err and why in err, err
     assert_same_model(fresh, again)
     assert zoo.load(src, dtype="float32", cache=tmp_path / "c").load_info["source"] == "cache"

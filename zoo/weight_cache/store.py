@@ -500,17 +500,25 @@ def _read_leaves_here(state_dir: Path, target: dict[str, jax.ShapeDtypeStruct]) 
     import tensorstore as ts
 
     writes, host = [], {}
-    for k, t in target.items():
-        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": k},
-                "recheck_cached_data": False, "recheck_cached_metadata": False}
-        src = ts.open(spec, open=True, read=True, context=_ts_context()).result()
-        if tuple(src.shape) != tuple(t.shape) or np.dtype(src.dtype.numpy_dtype) != np.dtype(t.dtype):
-            raise CacheError(f"{state_dir}: leaf {k} is {src.dtype.numpy_dtype}{list(src.shape)}, the manifest "
-                             f"says {np.dtype(t.dtype)}{list(t.shape)}")
-        host[k] = aligned_empty(t.shape, t.dtype)
-        writes.append(ts.array(host[k], copy=False, write=True).write(src))
-    for w in writes:
-        w.result()
+    try:
+        for k, t in target.items():
+            spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": k},
+                    "recheck_cached_data": False, "recheck_cached_metadata": False}
+            src = ts.open(spec, open=True, read=True, context=_ts_context()).result()
+            if tuple(src.shape) != tuple(t.shape) or np.dtype(src.dtype.numpy_dtype) != np.dtype(t.dtype):
+                raise CacheError(f"{state_dir}: leaf {k} is {src.dtype.numpy_dtype}{list(src.shape)}, the "
+                                 f"manifest says {np.dtype(t.dtype)}{list(t.shape)}")
+            host[k] = aligned_empty(t.shape, t.dtype)
+            writes.append(ts.array(host[k], copy=False, write=True).write(src))
+    finally:                        # every write started ends before anything is raised or returned
+        failed = None
+        for w in writes:
+            try:
+                w.result()
+            except Exception as e:  # noqa: PERF203
+                failed = failed or e
+    if failed is not None:
+        raise failed
     return host
 
 
