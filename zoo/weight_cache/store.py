@@ -269,13 +269,8 @@ def host_digest(a: np.ndarray) -> int:
     bytes silently, so every restored leaf is checked against the digest recorded at save, on the
     host, before it is placed on a device (no device program to compile, no device-to-host copy)."""
     data = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-    return _chunked_crc(len(data), lambda i: zlib.crc32(data[i:i + _DIGEST_CHUNK]))
-
-
-def _chunked_crc(nbytes: int, chunk_crc) -> int:
-    """The digest of ``nbytes`` bytes from ``chunk_crc(start)`` of each 16 MiB chunk, run on the pool."""
-    crcs = list(_digest_pool().map(chunk_crc, range(0, nbytes, _DIGEST_CHUNK)))
-    return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), nbytes & 0xFFFFFFFF)
+    crcs = list(_digest_pool().map(lambda i: zlib.crc32(data[i:i + _DIGEST_CHUNK]), range(0, len(data), _DIGEST_CHUNK)))
+    return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), len(data) & 0xFFFFFFFF)
 
 
 def group_records(arrays: dict[str, Any]) -> dict[str, list]:
@@ -489,7 +484,16 @@ def _ts_context():
     return ts.Context()
 
 
-def _read_leaves_here(state_dir: Path, target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
+def _check_leaf(entry: Path, group: str, k: str, dtype, shape, t: jax.ShapeDtypeStruct) -> None:
+    """The stored leaf ``k`` of ``group`` has the manifest's shape and dtype (``t``); else a
+    ``CacheError`` naming both."""
+    if tuple(shape) != tuple(t.shape) or np.dtype(dtype) != np.dtype(t.dtype):
+        raise CacheError(f"{entry}: leaf {k} of group {group!r} is {np.dtype(dtype)}{list(shape)}, "
+                         f"the manifest says {np.dtype(t.dtype)}{list(t.shape)}")
+
+
+def _read_leaves_here(entry: Path, group: str, state_dir: Path,
+                      target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
     """A group's leaves as whole host arrays, each read by TensorStore straight into an aligned buffer
     (``aligned_empty``): the arrays the restore checks and places (on the CPU backend the device
     buffer is that memory). The leaves are the group's Orbax checkpoint's arrays (zarr2 in its OCDBT
@@ -505,9 +509,7 @@ def _read_leaves_here(state_dir: Path, target: dict[str, jax.ShapeDtypeStruct]) 
             spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": k},
                     "recheck_cached_data": False, "recheck_cached_metadata": False}
             src = ts.open(spec, open=True, read=True, context=_ts_context()).result()
-            if tuple(src.shape) != tuple(t.shape) or np.dtype(src.dtype.numpy_dtype) != np.dtype(t.dtype):
-                raise CacheError(f"{state_dir}: leaf {k} is {src.dtype.numpy_dtype}{list(src.shape)}, the "
-                                 f"manifest says {np.dtype(t.dtype)}{list(t.shape)}")
+            _check_leaf(entry, group, k, src.dtype.numpy_dtype, src.shape, t)      # before the buffer is made
             host[k] = aligned_empty(t.shape, t.dtype)
             writes.append(ts.array(host[k], copy=False, write=True).write(src))
     finally:                        # every write started ends before anything is raised or returned
@@ -534,26 +536,23 @@ def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtype
         raise CacheError(f"{entry}: missing state for parameter group {group!r}")
     _check_files(entry, group, files)
     try:
-        if jax.process_count() == 1:
-            host = _read_leaves_here(state_dir, target)
-        else:
-            args = ocp.args.PyTreeRestore(
-                item=dict(target),
-                restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
-                              for k, t in target.items()})
-            host = ckptr.restore(state_dir, args=args)
+        if jax.process_count() == 1:        # checked leaf by leaf as it is opened
+            return _read_leaves_here(entry, group, state_dir, target)
+        args = ocp.args.PyTreeRestore(
+            item=dict(target),
+            restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
+                          for k, t in target.items()})
+        host = ckptr.restore(state_dir, args=args)
     except CacheError:
         raise
     except Exception as e:      # orbax/tensorstore raise many kinds on truncated or missing files
         raise CacheError(f"{entry}: cannot restore parameter group {group!r} ({type(e).__name__}: "
                          f"{str(e)[:200]})") from None
-    if set(host) != set(target):
+    if set(host) != set(target):            # what Orbax restored: the leaves it found
         raise CacheError(f"{entry}: parameter group {group!r} holds leaves {sorted(host)[:5]}..., "
                          f"the manifest lists {sorted(target)[:5]}...")
     for k, t in target.items():
-        if tuple(host[k].shape) != tuple(t.shape) or host[k].dtype != t.dtype:
-            raise CacheError(f"{entry}: leaf {k} of group {group!r} is {host[k].dtype}{list(host[k].shape)}, "
-                             f"the manifest says {t.dtype}{list(t.shape)}")
+        _check_leaf(entry, group, k, host[k].dtype, host[k].shape, t)
     return host
 
 
@@ -583,8 +582,8 @@ def verify(entry: Path, progress: bool = True) -> dict:
 
 def _read_ahead(ckptr, entry: Path, targets: dict[str, dict], files: dict[str, int]):
     """``(group, target, arrays)`` for each group in order, the next group read on a worker thread
-    while the caller checks and places this one (tensorstore's reads, zlib's CRC-32s and the copies
-    release the GIL): reading overlaps the digests instead of waiting for them. At most two groups
+    while the caller checks and places this one (TensorStore's reads and zlib's CRC-32s release
+    the GIL): reading overlaps the digests instead of waiting for them. At most two groups
     are in host memory at once. One process only; with several, each read is a collective (the
     groups are read in turn)."""
     groups = list(targets.items())
