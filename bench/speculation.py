@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/speculation.py [--models qwen38-tiny glm53-tiny] [--spec 3]
                                                        [--streams 1 4 16] [--tokens 64] [--repeat 3]
+                                                       [--narrow-rows N]
 
 Per model, three engines (``Generator``, warmed up: nothing compiles while measuring), all greedy in
 float32, so every configuration emits the same tokens and only the time differs:
@@ -73,32 +74,40 @@ def run(gen: Generator, prompts: list[list[int]], tokens: int) -> tuple[float, i
     return end - t1, total - before, end - t0, total
 
 
-def bench_model(name: str, k: int, streams: list[int], tokens: int, repeat: int, dtype: str) -> None:
+def bench_model(name: str, k: int, streams: list[int], tokens: int, repeat: int, dtype: str,
+                narrow: int = 0) -> None:
     model = zoo.load(name, dtype=dtype)
     work = tasks(model, tokens)
     rows = max(streams)
-    gens = {"plain": Generator(model, max_batch=rows, context=1024, prefix_cache=0),
-            "fixed": Generator(model, spec_tokens=k, spec_policy="fixed", max_batch=rows, context=1024,
-                               prefix_cache=0),
-            "auto": Generator(model, spec_tokens=k, spec_policy="auto", max_batch=rows, context=1024, prefix_cache=0)}
+    common = {"max_batch": rows, "context": 1024, "prefix_cache": 0, "narrow_rows": narrow}
+    gens = {"plain": Generator(model, **common),
+            "fixed": Generator(model, spec_tokens=k, spec_policy="fixed", **common),
+            "auto": Generator(model, spec_tokens=k, spec_policy="auto", **common)}
+    configs = CONFIGS
+    if narrow:                   # the baseline of the narrow programs: plain decoding without them
+        gens["wide"] = Generator(model, **{**common, "narrow_rows": 0})
+        configs = ("wide",) + CONFIGS
     for gen in gens.values():
         gen.warmup()
     print(f"\n{name} ({model.config.arch}, {dtype}), MTP k={k}, {tokens} greedy tokens per request, "
-          f"{repeat} interleaved rounds; decode phase (tok/s), then end to end with the prefills")
-    print(f"{'task':6s} {'streams':>7s} " + " ".join(f"{c + ' tok/s':>12s}" for c in CONFIGS)
-          + f" {'fixed/plain':>11s} {'auto/plain':>10s} | {'e2e fixed/plain':>15s} {'auto/plain':>10s}")
+          f"{repeat} interleaved rounds, {rows} rows" + (f", narrow programs on rows 0..{narrow - 1}" if narrow else "")
+          + "; decode phase (tok/s), then end to end with the prefills")
+    print(f"{'task':6s} {'streams':>7s} " + " ".join(f"{c + ' tok/s':>12s}" for c in configs)
+          + f" {'fixed/plain':>11s} {'auto/plain':>10s}" + (f" {'plain/wide':>10s}" if narrow else "")
+          + f" | {'e2e fixed/plain':>15s} {'auto/plain':>10s}")
     for task, prompts in work.items():
         for n in streams:
             batch = [prompts[i % len(prompts)] for i in range(n)]
-            acc = {c: [0.0, 0, 0.0, 0] for c in CONFIGS}
+            acc = {c: [0.0, 0, 0.0, 0] for c in configs}
             for r in range(repeat):
-                for c in CONFIGS[r % 3:] + CONFIGS[:r % 3]:
+                for c in configs[r % len(configs):] + configs[:r % len(configs)]:
                     acc[c] = [a + b for a, b in zip(acc[c], run(gens[c], batch, tokens))]
             assert len({a[3] for a in acc.values()}) == 1, acc      # greedy: the same tokens every way
-            rate = {c: acc[c][1] / acc[c][0] for c in CONFIGS}
-            e2e = {c: acc[c][3] / acc[c][2] for c in CONFIGS}
-            print(f"{task:6s} {n:7d} " + " ".join(f"{rate[c]:12.1f}" for c in CONFIGS)
-                  + f" {rate['fixed'] / rate['plain']:10.2f}x {rate['auto'] / rate['plain']:9.2f}x |"
+            rate = {c: acc[c][1] / acc[c][0] for c in configs}
+            e2e = {c: acc[c][3] / acc[c][2] for c in configs}
+            print(f"{task:6s} {n:7d} " + " ".join(f"{rate[c]:12.1f}" for c in configs)
+                  + f" {rate['fixed'] / rate['plain']:10.2f}x {rate['auto'] / rate['plain']:9.2f}x"
+                  + (f" {rate['plain'] / rate['wide']:9.2f}x" if narrow else "") + " |"
                   f" {e2e['fixed'] / e2e['plain']:14.2f}x {e2e['auto'] / e2e['plain']:9.2f}x", flush=True)
     policy = gens["auto"].spec_policy
     print(f"auto's steps by option: {policy.chosen}")
@@ -120,9 +129,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32",
                     help="float32 (default): plain and speculative greedy decoding give the same tokens, so the "
                          "configurations do the same work; in bfloat16 a near tie may flip between them")
+    ap.add_argument("--narrow-rows", type=int, default=0,
+                    help="every engine with the narrow decode programs on that many rows (Generator's "
+                         "narrow_rows), and a fourth one, wide: plain without them (the ratio plain/wide)")
     args = ap.parse_args()
     for name in args.models:
-        bench_model(name, args.spec, args.streams, args.tokens, args.repeat, args.dtype)
+        bench_model(name, args.spec, args.streams, args.tokens, args.repeat, args.dtype, args.narrow_rows)
 
 
 if __name__ == "__main__":

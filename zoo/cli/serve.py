@@ -88,6 +88,11 @@ def add_commands(sub) -> None:
     s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
     s.add_argument("--max-batch", type=int, default=16,
                    help="requests decoded together (fewer if the accelerator's memory holds fewer)")
+    s.add_argument("--narrow-rows", type=_narrow_rows, default=0, metavar="N|auto",
+                   help="a second, narrower width of the decode programs: a step whose requests all sit in "
+                        "the first N rows computes N rows, not --max-batch (one or two more programs; pays "
+                        "where a step's cost follows its rows, a CPU; auto: a quarter of the rows on a CPU "
+                        "without --mesh, none elsewhere; default 0: none)")
     s.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
                    help=f"tokens per request, prompt and output (default {DEFAULT_CONTEXT}, or the model's "
                         "positions if fewer); fixed at startup with the rows")
@@ -226,10 +231,23 @@ def _engine_args(args) -> dict:
         from zoo.engine.rows import default_host_tier
         host_gb = default_host_tier() / 2**30
     return {"spec_tokens": args.spec, "spec_policy": args.spec_policy, "max_batch": args.max_batch,
-            "context": args.context,
+            "context": args.context, "narrow_rows": args.narrow_rows,
             "prefill_chunk": args.prefill_chunk, "interleave_ratio": args.interleave_ratio,
             "prefix_cache": args.prefix_cache_gb,
             "prefix_cache_host_gb": host_gb, "max_image_tokens": args.max_image_tokens}
+
+
+def _narrow_rows(text: str) -> int | None:
+    """``--narrow-rows``: a count >= 0, or auto (None: ``zoo.engine.rows.narrow_width``'s default)."""
+    if text == "auto":
+        return None
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of rows >= 0 or auto, got {text!r}")
+    return rows
 
 
 def _interleave_ratio(text: str) -> float | None:
@@ -311,7 +329,7 @@ def _serve(args, engine: dict | None = None, replica=None, on_ready=None) -> int
         app = create_app(model, api_key=key, spec_tokens=engine["spec_tokens"], spec_policy=engine["spec_policy"],
                          max_batch=engine["max_batch"],
                          context=_context(args, model), prefill_chunk=engine["prefill_chunk"],
-                         interleave_ratio=engine["interleave_ratio"],
+                         interleave_ratio=engine["interleave_ratio"], narrow_rows=engine["narrow_rows"],
                          warmup=args.warmup, on_warmup=_progress(counter), max_queue=args.max_queue,
                          queue_timeout_s=args.queue_timeout, model_name=name,
                          tool_format=None if args.tool_format == "none" else args.tool_format,

@@ -100,7 +100,7 @@ from zoo.engine.prefix_cache import PrefixCache, token_strides
 from zoo.engine.prefix_rows import PrefixRows
 from zoo.engine.programs import ProgramSet
 from zoo.engine.request import Generation, ImageInput, Request
-from zoo.engine.rows import default_host_tier, default_memory_budget
+from zoo.engine.rows import default_host_tier, default_memory_budget, narrow_width, rows_of
 from zoo.engine.spec_policy import SpecPolicy
 from zoo.engine.step_programs import empty_batch, shared_masked_programs, shared_program
 from zoo.engine.thinking_budget import ThinkingBudget
@@ -123,7 +123,7 @@ class Generator(ProgramSet, Admission):
                  memory_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefix_cache: PrefixCache | float | None = None, prefix_cache_host_gb: float | None = None,
                  prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024, spec_policy: str = "auto",
-                 interleave_ratio: float | None = None):
+                 interleave_ratio: float | None = None, narrow_rows: int | None = 0):
         """``max_batch``: the most rows (fewer if ``memory_budget`` holds fewer, see ``rows``); ``context``:
         tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the model's positions if
         fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
@@ -138,7 +138,12 @@ class Generator(ProgramSet, Admission):
         small width; ``zoo serve`` uses ``INTERLEAVE_RATIO``); None: one chunk's tokens per step,
         whatever they take. Narrowed pieces follow measured timings, and a prompt prefilled in other
         widths sums in another order: its logprobs may differ from an unnarrowed run's in float32's
-        last digits (~1e-5), so outputs are reproducible run to run only with None."""
+        last digits (~1e-5), so outputs are reproducible run to run only with None.
+        ``narrow_rows``: a second width of the decode programs (``step_programs.decode_narrow``): a step
+        whose decoding rows all lie below it runs on that many rows instead of all of them (0: none;
+        None: ``rows.narrow_width``'s default, a quarter of the rows on a CPU without a mesh). Its
+        tokens equal the whole batch's step's; logprobs may differ in float32's last digits (~1e-6:
+        other matmul shapes sum in other orders)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
@@ -177,11 +182,15 @@ class Generator(ProgramSet, Admission):
         # the whole-model programs: one jitted copy per configuration in the process (``step_programs``)
         self._step_fn = shared_program("decode", self._graphdef, self.k, mesh)
         self._step_off_fn = shared_program("decode off", self._graphdef, self.k, mesh)
+        self.narrow_rows = narrow_width(narrow_rows, self._B, mesh)
+        self._narrow_fn = shared_program("decode narrow", self._graphdef, self.k, mesh, self.narrow_rows)
+        self._narrow_off_fn = shared_program("decode off narrow", self._graphdef, self.k, mesh, self.narrow_rows)
         self._prefill_fn = shared_program("prefill", self._graphdef, self.k, mesh)
         self._place_fn = shared_program("place", None, self.k, mesh)
         self._empty_fn = functools.partial(shared_program("empty", self._graphdef, self.k, mesh), self._state)
         self._first_fn = shared_program("first", None, 0, mesh)
-        for name in ("_step_fn", "_step_off_fn", "_prefill_fn", "_place_fn", "_empty_fn", "_first_fn"):
+        for name in ("_step_fn", "_step_off_fn", "_narrow_fn", "_narrow_off_fn", "_prefill_fn", "_place_fn",
+                     "_empty_fn", "_first_fn"):
             setattr(self, name, on_mesh(getattr(self, name), mesh))   # sharded model
         self._masked = shared_masked_programs(self._graphdef, self.k, mesh)
         self._images = ImagePrefill(model, self._graphdef, mesh, self.max_image_tokens) if multimodal(model) else None
@@ -193,6 +202,7 @@ class Generator(ProgramSet, Admission):
         self.prefills = 0                                   # prompts prefilled (a request's choices share one)
         self.prefill_tokens = 0                             # prefill piece widths run (padding included)
         self.steps = 0                                      # decode steps run
+        self.narrow_steps = 0                               # of which on the narrow programs' rows
         self.faults = {"failed_requests": 0, "failed_steps": 0, "last_error": None}   # see ``step``
         self.on_step_failure = None     # called with the error before a failed step fails its requests
 
@@ -349,16 +359,13 @@ class Generator(ProgramSet, Admission):
         plan = None if not self.k else self.spec_policy.plan(rows, active, cap, force)
         masked = any(r is not None and r.constraint is not None for r in rows)
         self.steps += 1
+        w = self.narrow_rows if self.narrow_rows and not masked and not active[self.narrow_rows:].any() else 0
         t0 = time.perf_counter()
         try:
             if masked:
                 out = self._masked_step(active, force, cap, np.bool_(want), constrained, plan)
-            elif plan is not None and plan.option == "off":
-                out = self._step_off_fn(self._state, self._batch, active, force, cap, np.bool_(want))
-            elif plan is not None:
-                out = self._step_fn(self._state, self._batch, active, force, cap, np.bool_(want), plan.arrays())
             else:
-                out = self._step_fn(self._state, self._batch, active, force, cap, np.bool_(want))
+                out = self._decode(w, active, force, cap, np.bool_(want), plan)
             self._batch, tokens, counts = out[:3]
             tokens, counts = host_value(tokens), host_value(counts)
             scored = to_numpy(out[3]) if want else None
@@ -368,6 +375,10 @@ class Generator(ProgramSet, Admission):
         seconds = time.perf_counter() - t0
         self.mask_schedule.timed(seconds)
         program = "masked" if masked else "plain" if plan is None else "off" if plan.option == "off" else "drafts"
+        if w:
+            self.narrow_steps += 1
+            program += " narrow"
+            tokens, counts = rows_of(tokens, self._B), rows_of(counts, self._B)
         timed = program in self._ran   # a program's first run may have compiled it: not a step's cost
         self._ran.add(program)
         if timed:
@@ -439,6 +450,19 @@ class Generator(ProgramSet, Admission):
         for req in [r for r in self._rows if r is not None] + [m for m in also if m not in self._rows]:
             self._fail(req, e, logged=True)
         self._rows, self._batch, self._fill = [None] * self._B, None, None
+
+    def _decode(self, w: int, active, force, cap, want, plan):
+        """The fused decode step (``plan``: the speculation policy's, None without drafts) on every row,
+        or with ``w`` on the first ``w`` rows only (the narrow programs: ``active`` holds no row past
+        them); returns what ``_step_fn`` returns, the narrow programs' tokens and counts for w rows."""
+        off = plan is not None and plan.option == "off"
+        if w:
+            fn = self._narrow_off_fn if off else self._narrow_fn
+            arrays = () if plan is None or off else ({key: v[:w] for key, v in plan.arrays().items()},)
+            return fn(self._state, self._batch, active[:w], force[:w], cap[:w], want, *arrays)
+        fn = self._step_off_fn if off else self._step_fn
+        arrays = () if plan is None or off else (plan.arrays(),)
+        return fn(self._state, self._batch, active, force, cap, want, *arrays)
 
     def _masked_step(self, active, force, cap, want, rows: dict, plan=None):
         """The step split around the host's token bitmasks (``zoo.engine.masked_step``) for the masked

@@ -24,6 +24,7 @@ callables ``_empty_fn``, ``_first_fn``, ``_place_fn``, ``_step_fn``, ``_graphdef
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -53,7 +54,7 @@ class ProgramSet:
         want_lp)``, the cache donated), not wrapped in the model's mesh: lower it under ``jax.set_mesh``
         (``zoo.tools.compile_report``). ``keep_unused``: the weights a program does not read stay
         arguments (resident memory)."""
-        impl = functools.partial(program_impl(name), self._graphdef, self.k)
+        impl = functools.partial(program_impl(name, self.narrow_rows), self._graphdef, self.k)
         return jax.jit(impl, donate_argnums=DONATED[name], keep_unused=keep_unused)
 
     @property
@@ -61,9 +62,10 @@ class ProgramSet:
         """Whether the set has the step with drafting off (the auto speculation policy runs it)."""
         return bool(self.k) and self.spec_policy.mode == "auto"
 
-    def abstract_plan(self) -> dict:
-        """The speculation policy's per-row inputs of the K-draft step (``zoo.engine.speculative``)."""
-        small, b = self._replicated_struct, self._B
+    def abstract_plan(self, rows: int | None = None) -> dict:
+        """The speculation policy's per-row inputs of the K-draft step (``zoo.engine.speculative``) for
+        ``rows`` rows (default: the batch's)."""
+        small, b = self._replicated_struct, rows or self._B
         return {"len": small((b,), jnp.int32), "drafts": small((b, self.k), jnp.int32), "host": small((b,), jnp.bool_)}
 
     def abstract_batch(self, rows: int, length: int) -> dict:
@@ -105,6 +107,16 @@ class ProgramSet:
                 decode + ((self.abstract_plan(),) if self.k else ()))]
         if self.drafts_off:                     # the auto speculation policy's step with drafting off
             out.append((f"decode B={b} L={L} MTP drafts off", self.program("decode off", keep_unused), decode))
+        if self.narrow_rows:                    # the same on the batch's first rows (``decode_narrow``)
+            w = self.narrow_rows
+            narrow = (self.weights, batch, small((w,), jnp.bool_), small((w,), jnp.int32), small((w,), jnp.int32),
+                      small((), jnp.bool_))
+            out.append((f"decode B={b} L={L} on rows 0..{w - 1}" + (f" MTP k={self.k}" if self.k else ""),
+                        self.program("decode narrow", keep_unused),
+                        narrow + ((self.abstract_plan(w),) if self.k else ())))
+            if self.drafts_off:
+                out.append((f"decode B={b} L={L} on rows 0..{w - 1} MTP drafts off",
+                            self.program("decode off narrow", keep_unused), narrow))
         row = self.abstract_batch(1, L)["cache"]
         h = small((1, self.model.config.hidden_size), self.model.module.dtype)
         for w in self.prefill_widths:
@@ -153,7 +165,8 @@ class ProgramSet:
         seconds) per program. The batch is left empty."""
         timings: list[tuple[str, float]] = []
         images = [] if self._images is None else self._images.warmup_names(self.prefill_widths)
-        total = len(self.prefill_widths) + 3 + self.drafts_off + (self.prefix is not None) + len(images)
+        total = (len(self.prefill_widths) + 3 + (1 + self.drafts_off) * (1 + bool(self.narrow_rows))
+                 + (self.prefix is not None) + len(images) - 1)
 
         def timed(name, fn):
             t0 = time.perf_counter()
@@ -189,19 +202,19 @@ class ProgramSet:
         plan = None if not self.k else Plan(f"d{self.k}", np.zeros(b, np.int32), np.zeros((b, self.k), np.int32),
                                             np.zeros(b, bool), [None] * b)
 
-        def decode(masked: bool, off: bool = False):
+        def decode(masked: bool, off: bool = False, w: int = 0):
             if masked:                                                                  # no row masked
                 out = self._masked_step(none, force, cap, np.bool_(False), {}, plan)
-            elif off:
-                out = self._step_off_fn(self._state, self._batch, none, force, cap, np.bool_(False))
             else:
-                out = self._step_fn(self._state, self._batch, none, force, cap, np.bool_(False),
-                                    *(() if plan is None else (plan.arrays(),)))
+                out = self._decode(w, none, force, cap, np.bool_(False),
+                                   dataclasses.replace(plan, option="off") if off else plan)
             self._batch = out[0]
             return out
-        timed("decode" + (f" MTP k={self.k}" if self.k else ""), lambda: decode(False))
-        if self.drafts_off:
-            timed("decode MTP drafts off", lambda: decode(False, off=True))
+        for w in (0, self.narrow_rows) if self.narrow_rows else (0,):
+            rows = f" on rows 0..{w - 1}" if w else ""
+            timed("decode" + rows + (f" MTP k={self.k}" if self.k else ""), lambda w=w: decode(False, w=w))
+            if self.drafts_off:
+                timed("decode" + rows + " MTP drafts off", lambda w=w: decode(False, off=True, w=w))
         timed("decode with token masks", lambda: decode(True))
         if self.prefix is not None:
             timed("prefix cache copies", lambda: self._rows_io.warmup(self._state, self._batch, cache,

@@ -4,6 +4,8 @@ budget of the caches, the first token of a prefilled request, placing it into a 
     default_memory_budget()                          bytes the caches may use
     first_token(logits [B, V], params, mask, want_lp) the token [B] after a prefill (-1: broken logits)
     place(batch, cache, first [1], h_last [1, D], params, r, k)   a prefilled request into row r
+    narrow_width(requested, rows, mesh) -> int       the narrow decode programs' rows (0: none)
+    rows_of(x [w, ...], rows) -> [rows, ...]         a narrow step's per-row output, zero-padded
 """
 
 from __future__ import annotations
@@ -79,3 +81,26 @@ def first_token(logits: jax.Array, params: dict, mask: jax.Array, want_lp: jax.A
     tok = sample(apply_token_mask(logits, mask), keys, params["temperature"], params["top_k"], params["top_p"])
     tok = jnp.where(jnp.isfinite(logits).all(axis=-1), tok, -1)     # -1: the prefill's logits are broken
     return tok, maybe_token_logprobs(want_lp, logits[:, None], tok[:, None])
+
+
+def narrow_width(requested: int | None, rows: int, mesh) -> int:
+    """The rows of the narrow decode programs (``step_programs.decode_narrow``) for a batch of ``rows``:
+    ``requested`` if it is below ``rows`` (0 or a width at or past ``rows``: none); None: a quarter of
+    the rows where a step's cost follows the rows it computes and a narrow program needs no layout of
+    its own, one CPU device without a mesh (elsewhere a decode step reads the weights whatever its
+    rows, and each program is another compile: none). ``ValueError`` for a negative width, or a
+    width asked for on a mesh (the rows of a batch there are laid out over its devices)."""
+    if requested is None:
+        requested = rows // 4 if mesh is None and jax.default_backend() == "cpu" else 0
+    elif requested < 0:
+        raise ValueError(f"narrow_rows must be >= 0, got {requested}")
+    elif requested and mesh is not None:
+        raise ValueError("narrow_rows needs one device without a mesh (on a mesh the rows are laid out over it)")
+    return int(requested) if 0 < requested < rows else 0
+
+
+def rows_of(x: np.ndarray, rows: int) -> np.ndarray:
+    """A narrow step's per-row host output ``x`` [w, ...] as the whole batch's [rows, ...] (zeros past w)."""
+    out = np.zeros((rows,) + x.shape[1:], x.dtype)
+    out[:len(x)] = x
+    return out

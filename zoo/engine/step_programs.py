@@ -5,7 +5,9 @@ layout) reuses the first one's compiled programs instead of tracing, lowering an
 
     prefill_piece(graphdef, k, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None)
     decode_step(graphdef, k, state, batch, active, force, cap, want_lp, plan=None, k_run=None)
-    shared_program(kind, graphdef, k, mesh) -> the jitted program ("prefill", "decode", "decode off")
+    decode_narrow(graphdef, k, width, state, batch, ...) -> decode_step on the batch's first ``width`` rows
+    shared_program(kind, graphdef, k, mesh, width) -> the jitted program ("prefill", "decode", "decode off",
+                          and at ``width`` rows "decode narrow", "decode off narrow")
     shared_masked_programs(graphdef, k, mesh) -> the step split around token masks (``masked_step``)
     shared(key, make) -> the registry's entry for key (``prefix_rows.shared_row_copies`` uses it)
     forget_shared()       drop them all
@@ -65,12 +67,13 @@ def forget_shared() -> None:
         _programs.clear()
 
 
-def shared_program(kind: str, graphdef, k: int, mesh=None):
+def shared_program(kind: str, graphdef, k: int, mesh=None, width: int = 0):
     """The jitted ``kind`` program of this configuration ("prefill": ``prefill_piece`` with its one-row
     cache donated; "decode": ``decode_step`` with the batch donated; "decode off": the same with
-    drafting off; the small ones, ``_jitted``: "empty", "place", "first", whose graphdef may
-    be None where they do not read the model), one per (kind, graphdef, k, mesh) in the process."""
-    return shared((kind, graphdef, int(k), mesh), lambda: _jitted(kind, graphdef, int(k)))
+    drafting off; "decode narrow", "decode off narrow": those on the batch's first ``width`` rows
+    (``decode_narrow``); the small ones, ``_jitted``: "empty", "place", "first", whose graphdef may
+    be None where they do not read the model), one per (kind, graphdef, k, mesh, width) in the process."""
+    return shared((kind, graphdef, int(k), mesh, int(width)), lambda: _jitted(kind, graphdef, int(k), int(width)))
 
 
 def shared_masked_programs(graphdef, k: int, mesh=None) -> MaskedPrograms:
@@ -79,16 +82,19 @@ def shared_masked_programs(graphdef, k: int, mesh=None) -> MaskedPrograms:
     return shared(("masked", graphdef, int(k), mesh), lambda: MaskedPrograms(graphdef, int(k), mesh))
 
 
-def program_impl(kind: str):
-    """The function of ``kind`` (its donated argument: ``DONATED[kind]``, counted after graphdef and k)."""
+def program_impl(kind: str, width: int = 0):
+    """The function of ``kind`` (its donated argument: ``DONATED[kind]``, counted after graphdef and k;
+    the narrow kinds at ``width`` rows)."""
+    if kind.endswith(" narrow"):
+        return functools.partial(decode_narrow, width=width, k_run=0 if kind == "decode off narrow" else None)
     return {"prefill": prefill_piece, "decode": decode_step,
             "decode off": functools.partial(decode_step, k_run=0)}[kind]
 
 
-DONATED = {"prefill": (6,), "decode": (1,), "decode off": (1,)}
+DONATED = {"prefill": (6,), "decode": (1,), "decode off": (1,), "decode narrow": (1,), "decode off narrow": (1,)}
 
 
-def _jitted(kind: str, graphdef, k: int):
+def _jitted(kind: str, graphdef, k: int, width: int = 0):
     """``kind`` jitted for (graphdef, k): the whole-model programs (``program_impl``, ``DONATED``) and
     the small ones around them: "empty" (``empty_batch`` of (state, rows, length), rows and length
     static), "place" (``rows.place``, the batch donated), "first" (``rows.first_token``)."""
@@ -98,7 +104,7 @@ def _jitted(kind: str, graphdef, k: int):
         return jax.jit(functools.partial(place, k=k), donate_argnums=(0,))
     if kind == "first":
         return jax.jit(first_token)
-    return jax.jit(functools.partial(program_impl(kind), graphdef, k), donate_argnums=DONATED[kind])
+    return jax.jit(functools.partial(program_impl(kind, width), graphdef, k), donate_argnums=DONATED[kind])
 
 
 def prefill_piece(graphdef, k: int, state, ids, mask, h_prev, next_ids, next_mask, cache, want_lp, mm=None):
@@ -153,6 +159,22 @@ def decode_step(graphdef, k: int, state, batch, active, force, cap, want_lp, pla
     n = flag_nonfinite(n, logits)
     batch = {"cache": shard_cache(cache), "carry": carry, "params": params}
     return batch, tokens, n, maybe_token_logprobs(want_lp, logits, tokens)
+
+
+def decode_narrow(graphdef, k: int, state, batch, active, force, cap, want_lp, plan=None, *, width: int,
+                  k_run: int | None = None):
+    """``decode_step`` on the batch's first ``width`` rows: the batch state [B, ...] (every leaf's first
+    axis is its row) is cut to its rows [0, width), stepped, and written back in place (the batch is
+    donated); ``active``, ``force``, ``cap`` and the ``plan``'s leaves are those rows' ([width, ...]), as
+    are the returned tokens, counts and logprob leaves. A row's step does not depend on the rows
+    beside it, so a batch whose decoding rows all lie below ``width`` steps here for what ``width``
+    rows cost instead of B (a compute-bound backend's cost grows with the rows: on a CPU, the
+    embedded models' step at 16 rows costs ~3x one at 1 or 4)."""
+    rows = jax.tree.map(lambda x: x[:width], batch)
+    rows, tokens, n, scored = decode_step(graphdef, k, state, rows, active, force, cap, want_lp, plan, k_run)
+    batch = jax.tree.map(lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), 0, 0),
+                         batch, rows)
+    return batch, tokens, n, scored
 
 
 def empty_batch(graphdef, k: int, state, rows: int, length: int) -> dict:

@@ -88,7 +88,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_
                max_body_bytes: int = transport.MAX_BODY_BYTES,
                body_timeout_s: float | None = transport.BODY_TIMEOUT_S, replica=None,
                image_policy: ImagePolicy | None = None, max_image_tokens: int = 1024,
-               interleave_ratio: float | None = None) -> FastAPI:
+               interleave_ratio: float | None = None, narrow_rows: int | None = 0) -> FastAPI:
     """A FastAPI app serving ``model`` (a ``zoo.Model`` with a tokenizer).
 
     api_key: required on every route but ``/health`` (None: no authentication). spec_tokens: MTP drafts
@@ -119,8 +119,9 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_
     (``zoo.engine.image_prefill.image_buckets``). interleave_ratio: while rows decode, a step's prefill
     keeps a stream waiting at most about this many decode steps (``zoo.engine.prefill_pace``; None:
     one chunk per step, and outputs reproducible run to run; ``zoo serve``'s default is
-    ``prefill_pace.INTERLEAVE_RATIO``). The engine is ``app.state.service.engine``; ``serve``
-    drains it on SIGTERM.
+    ``prefill_pace.INTERLEAVE_RATIO``). narrow_rows: the narrow decode programs' rows (``Generator``'s;
+    None: ``zoo.engine.rows.narrow_width``'s default). The engine is ``app.state.service.engine``;
+    ``serve`` drains it on SIGTERM.
     """
     if thinking_budget is not None and thinking_budget < 1:
         raise ValueError(f"thinking_budget must be >= 1, got {thinking_budget}")
@@ -132,7 +133,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_
     generator = Generator(model, spec_tokens=spec_tokens, spec_policy=spec_policy, max_batch=max_batch, context=context,
                           memory_budget=memory_budget, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache_gb,
                           prefix_cache_host_gb=prefix_cache_host_gb, max_image_tokens=max_image_tokens,
-                          interleave_ratio=interleave_ratio)
+                          interleave_ratio=interleave_ratio, narrow_rows=narrow_rows)
     context, rows = generator.context, generator.rows
     metrics = Metrics()
     if generator.prefix is not None:

@@ -1,0 +1,84 @@
+"""The narrow decode programs (``Generator(narrow_rows=N)``, ``step_programs.decode_narrow``): a step
+whose decoding rows all lie below N runs on those N rows instead of the whole batch.
+
+Three requests of different lengths (rows 0, 1, 2 of a 4-row batch, N = 2): once the third ends, the
+first two step on the narrow programs. Their tokens equal the engine without them, token for token,
+plain and with MTP drafts under the auto policy (whose "off" step has a narrow twin too); logprobs
+agree to float32 rounding (other matmul shapes sum in other orders). A warmed engine compiles
+nothing while it switches between the widths. ``narrow_width``'s defaults and bad values.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import zoo
+from zoo.engine.compile_cache import CompileCounter
+from zoo.engine.generator import Generator
+from zoo.engine.rows import narrow_width
+
+QUESTIONS = ["What is 123 + 456?", "Spell the word 'banana'.", "What's the weather in Paris?"]
+LENGTHS = [20, 12, 3]
+
+
+@pytest.fixture(scope="module", params=["qwen38-tiny", "glm53-tiny"])
+def model(request):
+    return zoo.load(request.param, dtype="float32")
+
+
+def run(gen: Generator, prompts) -> list:
+    reqs = [gen.submit(gen.make_request(p, max_new_tokens=n, logprobs=0)) for p, n in zip(prompts, LENGTHS)]
+    while not all(r.done.is_set() for r in reqs):
+        gen.step()
+    return [(r.tokens, np.array([t.logprob for t in r.token_logprobs])) for r in reqs]
+
+
+@pytest.mark.parametrize("spec", [0, 2])
+def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm(model, spec):
+    tok = model.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    kw = {"spec_tokens": spec, "spec_policy": "auto"} if spec else {}
+    whole = Generator(model, max_batch=4, context=256, prefix_cache=0, **kw)
+    want = run(whole, prompts)
+    assert whole.narrow_steps == 0 and whole.narrow_rows == 0
+    narrow = Generator(model, max_batch=4, context=256, prefix_cache=0, narrow_rows=2, **kw)
+    names = [name for name, _, _ in narrow.program_set()]
+    assert sum("on rows 0..1" in n for n in names) == (2 if spec else 1), names
+    narrow.warmup()
+    with CompileCounter() as counter:
+        got = run(narrow, prompts)
+    assert counter.compiled == 0
+    # rows 0 and 1 ran alone after row 2's 3 tokens: those steps were narrow, the first ones were not
+    assert 0 < narrow.narrow_steps < narrow.steps
+    for (tokens, lp), (want_tokens, want_lp) in zip(got, want):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(lp, want_lp, rtol=1e-4, atol=1e-5)
+    assert any(program.endswith(" narrow") for program in narrow._ran), narrow._ran
+
+
+def test_narrow_width_defaults_and_bad_values():
+    cpu = jax.default_backend() == "cpu"
+    assert narrow_width(None, 16, None) == (4 if cpu else 0)
+    assert narrow_width(None, 3, None) == 0                 # a quarter of 3 rows is none
+    assert narrow_width(0, 16, None) == 0 and narrow_width(16, 16, None) == 0 and narrow_width(5, 16, None) == 5
+    mesh = jax.make_mesh((1,), ("x",))
+    assert narrow_width(None, 16, mesh) == 0
+    with pytest.raises(ValueError, match="mesh"):
+        narrow_width(2, 16, mesh)
+    with pytest.raises(ValueError, match=">= 0"):
+        narrow_width(-1, 16, None)
+
+
+def test_zoo_serve_takes_a_count_or_auto_and_refuses_anything_else(capsys):
+    from zoo.cli import build_parser
+
+    parse = lambda *a: build_parser().parse_args(["serve", *a])       # noqa: E731
+    assert parse().narrow_rows == 0
+    assert parse("--narrow-rows", "4").narrow_rows == 4 and parse("--narrow-rows", "auto").narrow_rows is None
+    for bad in ("-1", "two"):
+        with pytest.raises(SystemExit) as exit_:
+            parse("--narrow-rows", bad)
+        assert exit_.value.code == 2
+        assert f"--narrow-rows: expected a number of rows >= 0 or auto, got '{bad}'" in capsys.readouterr().err
