@@ -2,7 +2,8 @@
 whose decoding rows all lie below N runs on those N rows instead of the whole batch.
 
 Three requests of different lengths (rows 0, 1, 2 of a 4-row batch, N = 2): once the third ends, the
-first two step on the narrow programs. Their tokens equal the engine without them, token for token,
+first two step on the narrow programs, which read and write the batch's slot buffers in place (a
+window read whole, and one read in blocks). Their tokens equal the engine without them, token for token,
 plain and with MTP drafts under the auto policy (whose "off" step has a narrow twin too); logprobs
 agree to float32 rounding (other matmul shapes sum in other orders). A warmed engine compiles
 nothing while it switches between the widths. ``narrow_width``'s defaults and bad values.
@@ -18,6 +19,7 @@ import zoo
 from zoo.engine.compile_cache import CompileCounter
 from zoo.engine.generator import Generator
 from zoo.engine.rows import narrow_width
+from zoo.models.shared.kv_slots import write_slots
 
 QUESTIONS = ["What is 123 + 456?", "Spell the word 'banana'.", "What's the weather in Paris?"]
 LENGTHS = [20, 12, 3]
@@ -35,15 +37,15 @@ def run(gen: Generator, prompts) -> list:
     return [(r.tokens, np.array([t.logprob for t in r.token_logprobs])) for r in reqs]
 
 
-@pytest.mark.parametrize("spec", [0, 2])
-def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm(model, spec):
+@pytest.mark.parametrize("spec,context", [(0, 256), (2, 1024)])      # the whole window / blocks of 256 slots
+def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm(model, spec, context):
     tok = model.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     kw = {"spec_tokens": spec, "spec_policy": "auto"} if spec else {}
-    whole = Generator(model, max_batch=4, context=256, prefix_cache=0, **kw)
+    whole = Generator(model, max_batch=4, context=context, prefix_cache=0, **kw)
     want = run(whole, prompts)
     assert whole.narrow_steps == 0 and whole.narrow_rows == 0
-    narrow = Generator(model, max_batch=4, context=256, prefix_cache=0, narrow_rows=2, **kw)
+    narrow = Generator(model, max_batch=4, context=context, prefix_cache=0, narrow_rows=2, **kw)
     names = [name for name, _, _ in narrow.program_set()]
     assert sum("on rows 0..1" in n for n in names) == (2 if spec else 1), names
     narrow.warmup()
@@ -75,10 +77,22 @@ def test_zoo_serve_takes_a_count_or_auto_and_refuses_anything_else(capsys):
     from zoo.cli import build_parser
 
     parse = lambda *a: build_parser().parse_args(["serve", *a])       # noqa: E731
-    assert parse().narrow_rows == 0
-    assert parse("--narrow-rows", "4").narrow_rows == 4 and parse("--narrow-rows", "auto").narrow_rows is None
+    assert parse().narrow_rows is None and parse("--narrow-rows", "auto").narrow_rows is None
+    assert parse("--narrow-rows", "4").narrow_rows == 4 and parse("--narrow-rows", "0").narrow_rows == 0
     for bad in ("-1", "two"):
         with pytest.raises(SystemExit) as exit_:
             parse("--narrow-rows", bad)
         assert exit_.value.code == 2
         assert f"--narrow-rows: expected a number of rows >= 0 or auto, got '{bad}'" in capsys.readouterr().err
+
+
+def test_a_write_into_the_first_rows_of_a_bigger_buffer_is_the_write_into_those_rows():
+    rng = np.random.default_rng(0)
+    buf = rng.standard_normal((4, 2, 16, 3)).astype(np.float32)            # [B, H, L, D], slots on axis 2
+    new = rng.standard_normal((2, 2, 3, 3)).astype(np.float32)
+    at = np.array([5, 13], np.int32)
+    got = np.asarray(write_slots(jax.numpy.asarray(buf), new, at, slot_axis=2))
+    want = buf.copy()
+    want[:2] = np.asarray(write_slots(jax.numpy.asarray(buf[:2]), new, at, slot_axis=2))
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(got[:2], buf[:2])

@@ -88,11 +88,11 @@ def add_commands(sub) -> None:
     s.add_argument("--api-key", default=None, help="required from clients (default: $ZOO_API_KEY, else generated)")
     s.add_argument("--max-batch", type=int, default=16,
                    help="requests decoded together (fewer if the accelerator's memory holds fewer)")
-    s.add_argument("--narrow-rows", type=_narrow_rows, default=0, metavar="N|auto",
+    s.add_argument("--narrow-rows", type=_narrow_rows, default=None, metavar="N|auto",
                    help="a second, narrower width of the decode programs: a step whose requests all sit in "
-                        "the first N rows computes N rows, not --max-batch (one or two more programs; pays "
-                        "where a step's cost follows its rows, a CPU; auto: a quarter of the rows on a CPU "
-                        "without --mesh, none elsewhere; default 0: none)")
+                        "the first N rows computes N rows, not --max-batch (one more program, two with "
+                        "--spec under the auto policy; pays where a step's cost follows its rows, a CPU); "
+                        "default auto: a quarter of the rows on a CPU without --mesh, none elsewhere; 0: none")
     s.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
                    help=f"tokens per request, prompt and output (default {DEFAULT_CONTEXT}, or the model's "
                         "positions if fewer); fixed at startup with the rows")

@@ -37,9 +37,11 @@ from jax.sharding import PartitionSpec as P
 from zoo.models.shared.filled_blocks import (
     block_at,
     blocks_visited,
+    first_rows,
     key_block,
     local_blocks,
     online_softmax,
+    read_block,
     split_online_softmax,
 )
 from zoo.models.shared.kv_slots import write_slots
@@ -254,7 +256,8 @@ def filled_latent_attention(q_latent: jax.Array, c: jax.Array, pools: jax.Array,
                              out_specs=whole, check_vma=False)(q_latent, c, pools, key_pos, query_pos, write_at, live)
     block = key_block(length)
     if block is None:
-        return latent_attention(q_latent, c, pool_visibility(pools, key_pos, query_pos, **visibility), scale)
+        return latent_attention(q_latent, first_rows(c, b), pool_visibility(pools, key_pos, query_pos, **visibility),
+                                scale)
     n_blocks = blocks_visited(write_at, t, length, live)
     return _blocked_latent_attention(q_latent, c, pools, key_pos, query_pos, scale, n_blocks, block,
                                      online_softmax, **visibility)
@@ -269,7 +272,7 @@ def _blocked_latent_attention(q_latent, c, pools, key_pos, query_pos, scale, n_b
 
     def block_fn(start):
         at, own = block_at(start, block, c.shape[1])
-        cb = jax.lax.dynamic_slice_in_dim(c, at, block, axis=1)
+        cb = read_block(c, at, block, 1, b)              # the call's rows of a cache that may hold more
         kp = jax.lax.dynamic_slice_in_dim(key_pos, at, block, axis=1)
         sel = pool_visibility(pools, kp, query_pos, pool, select_tail) & own
         scores = einsum("bthc,blc->bthl", q_latent, cb).astype(jnp.float32) * scale

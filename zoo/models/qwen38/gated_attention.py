@@ -27,9 +27,11 @@ from zoo.models.shared.filled_blocks import (
     F32_MIN,
     block_at,
     blocks_visited,
+    first_rows,
     key_block,
     local_blocks,
     online_softmax,
+    read_block,
     split_online_softmax,
 )
 from zoo.models.shared.kv_slots import write_slots
@@ -148,7 +150,7 @@ def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
     length = k.shape[2]
     block = key_block(length)
     if block is None:
-        return grouped_attention(q, k, v, attention_mask(slots), scale)
+        return grouped_attention(q, first_rows(k, b), first_rows(v, b), attention_mask(slots), scale)
     n_blocks = blocks_visited(slots.write_at, t, length, slots.live)
     return _blocked_attention(q, k, v, slots.key_valid, slots.query_slot, scale, n_blocks, block, 0, online_softmax)
 
@@ -164,8 +166,8 @@ def _blocked_attention(q, k, v, key_valid, query_slot, scale, n_blocks, block, f
 
     def block_fn(start):
         at, own = block_at(start, block, k.shape[2])
-        kb = jax.lax.dynamic_slice_in_dim(k, at, block, axis=2).astype(q.dtype)
-        vb = jax.lax.dynamic_slice_in_dim(v, at, block, axis=2).astype(q.dtype)
+        kb = read_block(k, at, block, 2, b).astype(q.dtype)        # the call's rows of a cache that may hold more
+        vb = read_block(v, at, block, 2, b).astype(q.dtype)
         valid = jax.lax.dynamic_slice_in_dim(key_valid, at, block, axis=1) & own[None, :]
         slot_ids = first + at + jnp.arange(block, dtype=jnp.int32)
         mask = valid[:, None, :] & (slot_ids[None, None, :] <= query_slot[:, :, None])     # [B, T, S]

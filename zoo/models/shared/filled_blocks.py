@@ -7,12 +7,18 @@ absorbed MLA.
         run past the window overlaps the one before it; ``own`` masks the slots read twice)
     blocks_visited(write_at [B], T, L, live [B]) -> int32 scalar, blocks up to max(write_at) + T over
         the live rows (those with a real token in the call), at least one
+    read_block(x, at, block, axis, rows) -> x's slots at..at+block-1 on ``axis``, of its first ``rows``
+    first_rows(x, rows) -> x [:rows]
     online_softmax(n_blocks, block, block_fn, stats_shape, d_out) -> float32 [*stats_shape, d_out]
         block_fn(start) -> (scores float32 [*stats_shape, S], masked entries at F32_MIN,
                             mix: p [*stats_shape, S] -> float32 [*stats_shape, d_out])
     split_online_softmax(axis, ...)  the same inside ``shard_map`` where the keys are split over the
         slots on mesh ``axis`` (each chip its blocks, then combined); ``local_blocks`` gives a
         chip's block count
+
+A cache may hold more rows than a call computes (``zoo.engine.step_programs.decode_narrow`` passes
+the whole batch's slot buffers to a step of its first rows, so that they are written in place): the
+reads take the call's rows, the first ones (``read_block``, ``first_rows``).
 
 The block count is a traced loop bound, so one program serves every fill level. A row's result
 does not depend on how many blocks the call visits: an all-masked block adds exact zeros to a row
@@ -59,6 +65,21 @@ def blocks_visited(write_at: jax.Array, t: int, length: int, live: jax.Array | N
     never used (it is finite: a query with no visible key averages the visited slots)."""
     _, n, _ = local_blocks(write_at, t, length, 0, live)                 # the whole window as one share
     return jnp.maximum(n, 1)
+
+
+def read_block(x: jax.Array, at: jax.Array, block: int, axis: int, rows: int) -> jax.Array:
+    """``x``'s slots ``at .. at + block - 1`` on ``axis``, of its first ``rows`` rows (axis 0): a
+    block of a cache that may hold more rows than the call computes."""
+    starts = [0] * x.ndim
+    starts[axis] = at
+    sizes = list(x.shape)
+    sizes[0], sizes[axis] = rows, block
+    return jax.lax.dynamic_slice(x, starts, sizes)
+
+
+def first_rows(x: jax.Array, rows: int) -> jax.Array:
+    """``x`` [:rows] (``x`` itself where it has that many rows)."""
+    return x if x.shape[0] == rows else x[:rows]
 
 
 def online_softmax(n_blocks: jax.Array, block: int, block_fn: Callable, stats_shape: tuple[int, ...],

@@ -3,6 +3,9 @@
     write_slots(buf [B, L, ...], new [B, T, ...], write_at [B], axes=None, slot_axis=1) -> buf
     (``slot_axis``: where the slots are, the same for ``new``'s tokens, e.g. 2 for ``[B, H, L, D]``)
 
+``buf`` may hold more rows than ``new`` (a step of the batch's first rows,
+``zoo.engine.step_programs.decode_narrow``): ``new``'s rows are its first ones, written in place.
+
 With the buffer's logical ``axes`` and a mesh that splits its slot axis (the MLA latent cache in
 "tp": ``latent_len``; Qwen's KV cache where its KV heads do not divide over "tp": ``kv_len``),
 every chip writes the tokens that fall in its own slots, under ``shard_map``: a per-row update of
@@ -36,7 +39,7 @@ def _write_local(buf: jax.Array, new: jax.Array, offset: jax.Array, slot_axis: i
     size, t = buf.shape[slot_axis], new.shape[slot_axis]
     slot = offset[:, None] + jnp.arange(t, dtype=offset.dtype)[None, :]                   # [B, T]
     slot = jnp.where((slot >= 0) & (slot < size), slot, size)                           # outside: dropped
-    rows = jnp.arange(buf.shape[0])[:, None]
+    rows = jnp.arange(new.shape[0])[:, None]                # buf's first rows where it has more
     index = (rows, *(slice(None),) * (slot_axis - 1), slot)
     # advanced indices apart put their [B, T] first: values [B, T, <the axes between>, <the rest>]
     vals = jnp.moveaxis(new, slot_axis, 1) if slot_axis > 1 else new
@@ -48,6 +51,10 @@ def write_slots(buf: jax.Array, new: jax.Array, write_at: jax.Array, axes: tuple
     """Write ``new [B, T, ...]`` into ``buf [B, L, ...]`` at per-row slot ``write_at [B]`` (see the
     module docstring for ``axes`` and ``slot_axis``)."""
     spec = current_spec(axes, buf.shape) if axes is not None else None
+    if buf.shape[0] != new.shape[0]:                        # the first rows of a bigger batch, in place
+        if spec is not None and any(spec):
+            raise ValueError("a write into the first rows of a batch is for one device (no mesh layout)")
+        return _write_local(buf, new, write_at, slot_axis)
     if spec is None or spec[slot_axis] is None:
         return _write(buf, new, write_at, slot_axis)
     mesh_axis = spec[slot_axis]
