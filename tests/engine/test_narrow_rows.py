@@ -2,9 +2,9 @@
 whose decoding rows all lie below N runs on those N rows instead of the whole batch.
 
 Three requests of different lengths (rows 0, 1, 2 of a 4-row batch, N = 2): once the third ends, the
-first two step on the narrow programs, which read and write the batch's slot buffers in place (a
-window read whole, and one read in blocks). Their tokens equal the engine without them, token for token,
-plain and with MTP drafts under the auto policy (whose "off" step has a narrow twin too); logprobs
+first two step on the narrow programs, which read and write the batch's slot buffers in place (Qwen
+with MTP drafts under the auto policy, whose "off" step has a narrow twin too, over blocks of slots;
+GLM plain over the whole window). Their tokens equal the engine without them, token for token; logprobs
 agree to float32 rounding (other matmul shapes sum in other orders). A warmed engine compiles
 nothing while it switches between the widths. ``narrow_width``'s defaults and bad values.
 """
@@ -19,15 +19,11 @@ import zoo
 from zoo.engine.compile_cache import CompileCounter
 from zoo.engine.generator import Generator
 from zoo.engine.rows import narrow_width
+from zoo.models.shared.filled_blocks import first_rows, read_block
 from zoo.models.shared.kv_slots import write_slots
 
 QUESTIONS = ["What is 123 + 456?", "Spell the word 'banana'.", "What's the weather in Paris?"]
 LENGTHS = [20, 12, 3]
-
-
-@pytest.fixture(scope="module", params=["qwen38-tiny", "glm53-tiny"])
-def model(request):
-    return zoo.load(request.param, dtype="float32")
 
 
 def run(gen: Generator, prompts) -> list:
@@ -37,8 +33,11 @@ def run(gen: Generator, prompts) -> list:
     return [(r.tokens, np.array([t.logprob for t in r.token_logprobs])) for r in reqs]
 
 
-@pytest.mark.parametrize("spec,context", [(0, 256), (2, 1024)])      # the whole window / blocks of 256 slots
-def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm(model, spec, context):
+# Qwen with MTP drafts (both narrow programs of the auto policy) over blocks of 256 slots; GLM plain over
+# the whole window (the reads are the same two helpers for both models' attention)
+@pytest.mark.parametrize("name,spec,context", [("qwen38-tiny", 2, 1024), ("glm53-tiny", 0, 256)])
+def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm(name, spec, context):
+    model = zoo.load(name, dtype="float32")
     tok = model.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     kw = {"spec_tokens": spec, "spec_policy": "auto"} if spec else {}
@@ -96,3 +95,10 @@ def test_a_write_into_the_first_rows_of_a_bigger_buffer_is_the_write_into_those_
     want[:2] = np.asarray(write_slots(jax.numpy.asarray(buf[:2]), new, at, slot_axis=2))
     np.testing.assert_array_equal(got, want)
     assert not np.array_equal(got[:2], buf[:2])
+
+
+def test_reads_of_the_first_rows_of_a_bigger_buffer():
+    x = jax.numpy.arange(4 * 2 * 16 * 3, dtype=jax.numpy.float32).reshape(4, 2, 16, 3)
+    np.testing.assert_array_equal(read_block(x, 5, 4, 2, 2), x[:2, :, 5:9])
+    np.testing.assert_array_equal(read_block(x, 12, 4, 2, 4), x[:, :, 12:16])
+    assert first_rows(x, 4) is x and first_rows(x, 1).shape == (1, 2, 16, 3)
