@@ -183,15 +183,18 @@ class Generator(ProgramSet, Admission):
         self._step_fn = shared_program("decode", self._graphdef, self.k, mesh)
         self._step_off_fn = shared_program("decode off", self._graphdef, self.k, mesh)
         self.narrow_rows = narrow_width(narrow_rows, self._B, mesh)
-        self._narrow_fn = shared_program("decode narrow", self._graphdef, self.k, mesh, self.narrow_rows)
-        self._narrow_off_fn = shared_program("decode off narrow", self._graphdef, self.k, mesh, self.narrow_rows)
+        narrow = lambda kind: shared_program(kind, self._graphdef, self.k, mesh, self.narrow_rows)  # noqa: E731
+        # none asked for where there are no narrow rows: the registry keeps only the SHARED latest
+        self._narrow_fn = narrow("decode narrow") if self.narrow_rows else None
+        self._narrow_off_fn = narrow("decode off narrow") if self.narrow_rows and self.drafts_off else None
         self._prefill_fn = shared_program("prefill", self._graphdef, self.k, mesh)
         self._place_fn = shared_program("place", None, self.k, mesh)
         self._empty_fn = functools.partial(shared_program("empty", self._graphdef, self.k, mesh), self._state)
         self._first_fn = shared_program("first", None, 0, mesh)
         for name in ("_step_fn", "_step_off_fn", "_narrow_fn", "_narrow_off_fn", "_prefill_fn", "_place_fn",
                      "_empty_fn", "_first_fn"):
-            setattr(self, name, on_mesh(getattr(self, name), mesh))   # sharded model
+            if getattr(self, name) is not None:
+                setattr(self, name, on_mesh(getattr(self, name), mesh))   # sharded model
         self._masked = shared_masked_programs(self._graphdef, self.k, mesh)
         self._images = ImagePrefill(model, self._graphdef, mesh, self.max_image_tokens) if multimodal(model) else None
         self.vocab = int(model.config.vocab_size)           # the logits' width
