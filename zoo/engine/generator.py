@@ -459,13 +459,10 @@ class Generator(ProgramSet, Admission):
         or with ``w`` on the first ``w`` rows only (the narrow programs: ``active`` holds no row past
         them); returns what ``_step_fn`` returns, the narrow programs' tokens and counts for w rows."""
         off = plan is not None and plan.option == "off"
-        if w:
-            fn = self._narrow_off_fn if off else self._narrow_fn
-            arrays = () if plan is None or off else ({key: v[:w] for key, v in plan.arrays().items()},)
-            return fn(self._state, self._batch, active[:w], force[:w], cap[:w], want, *arrays)
-        fn = self._step_off_fn if off else self._step_fn
-        arrays = () if plan is None or off else (plan.arrays(),)
-        return fn(self._state, self._batch, active, force, cap, want, *arrays)
+        fn = (self._narrow_off_fn if off else self._narrow_fn) if w else (self._step_off_fn if off else self._step_fn)
+        rows = slice(0, w or None)
+        arrays = () if plan is None or off else ({key: v[rows] for key, v in plan.arrays().items()},)
+        return fn(self._state, self._batch, active[rows], force[rows], cap[rows], want, *arrays)
 
     def _masked_step(self, active, force, cap, want, rows: dict, plan=None):
         """The step split around the host's token bitmasks (``zoo.engine.masked_step``) for the masked

@@ -101,22 +101,20 @@ class ProgramSet:
         small = self._replicated_struct
         b, L = self._B, self._L
         batch = self.abstract_batch(b, L)
-        decode = (self.weights, batch, small((b,), jnp.bool_), small((b,), jnp.int32), small((b,), jnp.int32),
-                  small((), jnp.bool_))
-        out = [(f"decode B={b} L={L}" + (f" MTP k={self.k}" if self.k else ""), self.program("decode", keep_unused),
-                decode + ((self.abstract_plan(),) if self.k else ()))]
-        if self.drafts_off:                     # the auto speculation policy's step with drafting off
-            out.append((f"decode B={b} L={L} MTP drafts off", self.program("decode off", keep_unused), decode))
-        if self.narrow_rows:                    # the same on the batch's first rows (``decode_narrow``)
-            w = self.narrow_rows
-            narrow = (self.weights, batch, small((w,), jnp.bool_), small((w,), jnp.int32), small((w,), jnp.int32),
-                      small((), jnp.bool_))
-            out.append((f"decode B={b} L={L} on rows 0..{w - 1}" + (f" MTP k={self.k}" if self.k else ""),
-                        self.program("decode narrow", keep_unused),
-                        narrow + ((self.abstract_plan(w),) if self.k else ())))
+        # the decode step (and the auto policy's step with drafting off) on every row, and on the
+        # batch's first rows where the set has the narrow width (``decode_narrow``)
+        widths = [(b, "", "decode")]
+        if self.narrow_rows:
+            widths.append((self.narrow_rows, f" on rows 0..{self.narrow_rows - 1}", "decode narrow"))
+        out = []
+        for rows, where, kind in widths:
+            decode = (self.weights, batch, small((rows,), jnp.bool_), small((rows,), jnp.int32),
+                      small((rows,), jnp.int32), small((), jnp.bool_))
+            out.append((f"decode B={b} L={L}{where}" + (f" MTP k={self.k}" if self.k else ""),
+                        self.program(kind, keep_unused), decode + ((self.abstract_plan(rows),) if self.k else ())))
             if self.drafts_off:
-                out.append((f"decode B={b} L={L} on rows 0..{w - 1} MTP drafts off",
-                            self.program("decode off narrow", keep_unused), narrow))
+                out.append((f"decode B={b} L={L}{where} MTP drafts off",
+                            self.program(kind.replace("decode", "decode off"), keep_unused), decode))
         row = self.abstract_batch(1, L)["cache"]
         h = small((1, self.model.config.hidden_size), self.model.module.dtype)
         for w in self.prefill_widths:
@@ -165,8 +163,8 @@ class ProgramSet:
         seconds) per program. The batch is left empty."""
         timings: list[tuple[str, float]] = []
         images = [] if self._images is None else self._images.warmup_names(self.prefill_widths)
-        total = (len(self.prefill_widths) + 3 + (1 + self.drafts_off) * (1 + bool(self.narrow_rows))
-                 + (self.prefix is not None) + len(images) - 1)
+        decodes = (1 + self.drafts_off) * (1 + bool(self.narrow_rows))      # each width, drafting on and off
+        total = len(self.prefill_widths) + 2 + decodes + (self.prefix is not None) + len(images)
 
         def timed(name, fn):
             t0 = time.perf_counter()
