@@ -68,18 +68,20 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=96)
     ap.add_argument("--spec", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--small", type=int, default=None, help="the small prefill width (default: the device's)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--interleave-ratio", type=float, default=INTERLEAVE_RATIO)
     args = ap.parse_args()
     model = zoo.load(args.model)
     context = args.prompt_tokens + args.stream_tokens + 64
     gen = Generator(model, spec_tokens=args.spec, max_batch=4, context=context, prefill_chunk=args.chunk,
-                    prefix_cache=0, interleave_ratio=args.interleave_ratio)
+                    prefix_cache=0, interleave_ratio=args.interleave_ratio, narrow_rows=None,
+                    prefill_small=args.small)
     gen.eos_token_ids = frozenset()         # every stream runs its full length
     t0 = time.perf_counter()
     gen.warmup()
     print(f"{args.model}: warmup {time.perf_counter() - t0:.1f} s, context {gen.context}, rows {gen.rows}, "
-          f"chunk {gen.prefill_chunk}, spec {args.spec}")
+          f"chunk {gen.prefill_chunk}, small {gen.prefill_small}, narrow rows {gen.narrow_rows}, spec {args.spec}")
     vocab = int(model.config.vocab_size)
 
     def prompt(seed: int) -> list[int]:

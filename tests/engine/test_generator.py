@@ -160,6 +160,32 @@ def test_prefill_pieces_have_two_widths_and_fit_the_row(model):
             assert w == small or e - a > small           # the chunk's width for more than a small tail
 
 
+def test_the_small_width_follows_the_device_and_can_be_chosen(model):
+    """``fill.small_width``: chunk / 64 on one CPU device (a piece there costs what its tokens cost),
+    chunk / 16 on a mesh or an accelerator, never under ``PREFILL_MIN``; an explicit width is checked."""
+    import jax
+    from jax.sharding import Mesh
+
+    from zoo.engine.fill import small_width
+    from zoo.engine.generator import PREFILL_MIN, Generator
+
+    assert small_width(1024, PREFILL_MIN) == 16 and small_width(4096, PREFILL_MIN) == 64
+    assert small_width(256, PREFILL_MIN) == small_width(16, PREFILL_MIN) == 16
+    one_cpu = Mesh(np.asarray(jax.devices()[:1]), ("x",))
+    assert small_width(4096, PREFILL_MIN, one_cpu) == 64             # zoo compile's CPU target: one device
+
+    def mesh_of(platform: str, n: int):                              # what small_width reads of a Mesh
+        return type("M", (), {"devices": np.asarray([type("D", (), {"platform": platform})()] * n)})()
+    for mesh in (mesh_of("tpu", 8), mesh_of("cpu", 8), mesh_of("tpu", 1)):
+        assert small_width(1024, PREFILL_MIN, mesh) == 64 and small_width(4096, PREFILL_MIN, mesh) == 256
+    gen = Generator(model, prefill_chunk=1024, context=300, prefix_cache=0)
+    assert gen.prefill_small == 16
+    assert Generator(model, prefill_chunk=1024, context=300, prefix_cache=0, prefill_small=64).prefill_small == 64
+    for bad in (8, 48, 2048):
+        with pytest.raises(ValueError, match="prefill_small must be a power of two from 16 to the chunk"):
+            Generator(model, prefill_chunk=1024, context=300, prefix_cache=0, prefill_small=bad)
+
+
 def test_prompt_ids_outside_the_vocabulary_and_a_huge_top_k(model):
     """The Python API checks prompt ids against the vocabulary (an id the model cannot embed is an
     error, not a silently clipped lookup) and takes any top_k (past the vocabulary: every token)."""

@@ -22,7 +22,8 @@ A step is ONE compiled program for the whole model (``step_programs.decode_step`
 compiled programs (``step_programs.shared_program``). A new request is prefilled alone into a one-row
 cache of L slots, in pieces that end at every multiple of ``prefill_chunk`` tokens, at its
 ``cache_marks`` and at the prompt's end (``_plan``), each piece of one of two widths, the chunk or
-``prefill_small`` (= chunk / 16, at least ``PREFILL_MIN``), right-padded; ``zoo compile`` chooses
+``prefill_small`` (``fill.small_width``: chunk / 16, chunk / 64 on one CPU device; at least
+``PREFILL_MIN``), right-padded; ``zoo compile`` chooses
 the chunk a target's memory leaves room for. The index advances by the real tokens only, so a row
 is compact (slot s holds position s). Then it is placed into a free row; a request waits while
 every row is busy. A request whose prompt and ``max_new_tokens`` exceed the context is refused.
@@ -90,7 +91,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo.engine.admission import Admission
 from zoo.engine.constraint import Constraint, OutputGrammar, compile_constraints, llg_tokenizer, mask_words
-from zoo.engine.fill import Fill, round_up
+from zoo.engine.fill import Fill, round_up, small_width
 from zoo.engine.image_prefill import ImagePrefill, check_images, multimodal
 from zoo.engine.logprobs import TokenLogprob, records, to_numpy
 from zoo.engine.mask_schedule import MaskSchedule
@@ -123,7 +124,8 @@ class Generator(ProgramSet, Admission):
                  memory_budget: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefix_cache: PrefixCache | float | None = None, prefix_cache_host_gb: float | None = None,
                  prefix_block: int = PREFIX_BLOCK, max_image_tokens: int = 1024, spec_policy: str = "auto",
-                 interleave_ratio: float | None = None, narrow_rows: int | None = 0):
+                 interleave_ratio: float | None = None, narrow_rows: int | None = 0,
+                 prefill_small: int | None = None):
         """``max_batch``: the most rows (fewer if ``memory_budget`` holds fewer, see ``rows``); ``context``:
         tokens per request, prompt and output (None: ``DEFAULT_CONTEXT`` or the model's positions if
         fewer); ``prefix_cache``: a ``PrefixCache`` (one may be shared by generators: entries are keyed by
@@ -143,7 +145,8 @@ class Generator(ProgramSet, Admission):
         whose decoding rows all lie below it runs on that many rows instead of all of them (0: none;
         None: ``rows.narrow_width``'s default, a quarter of the rows on a CPU without a mesh). Its
         tokens equal the whole batch's step's; logprobs may differ in float32's last digits (~1e-6:
-        other matmul shapes sum in other orders)."""
+        other matmul shapes sum in other orders). ``prefill_small``: the small prefill width, a power of
+        two from ``PREFILL_MIN`` to the chunk (None: ``fill.small_width``'s default for the device)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
@@ -153,7 +156,13 @@ class Generator(ProgramSet, Admission):
         if prefill_chunk < PREFILL_MIN or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= {PREFILL_MIN}, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
-        self.prefill_small = max(PREFILL_MIN, prefill_chunk // 16)
+        mesh = getattr(model, "mesh", None)
+        if prefill_small is None:
+            prefill_small = small_width(prefill_chunk, PREFILL_MIN, mesh)
+        if not PREFILL_MIN <= prefill_small <= prefill_chunk or prefill_small & (prefill_small - 1):
+            raise ValueError(f"prefill_small must be a power of two from {PREFILL_MIN} to the chunk "
+                             f"({prefill_chunk}), got {prefill_small}")
+        self.prefill_small = int(prefill_small)
         self.prefill_budget: int | None = prefill_chunk     # prefill tokens a step runs while rows decode
         self.pace = PrefillPace(interleave_ratio, lockstep=jax.process_count() > 1)   # and their time
         positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 20)
@@ -178,7 +187,6 @@ class Generator(ProgramSet, Admission):
         self._rows: list[Request | None] = [None] * self._B
         self._batch = None                                  # made on first use (``_ensure_batch``)
         self._fill: Fill | None = None                      # the prompt being prefilled (``zoo.engine.fill``)
-        mesh = getattr(model, "mesh", None)
         # the whole-model programs: one jitted copy per configuration in the process (``step_programs``)
         self._step_fn = shared_program("decode", self._graphdef, self.k, mesh)
         self._step_off_fn = shared_program("decode off", self._graphdef, self.k, mesh)
