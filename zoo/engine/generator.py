@@ -92,6 +92,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from zoo.engine.admission import Admission
 from zoo.engine.constraint import Constraint, OutputGrammar, compile_constraints, llg_tokenizer, mask_words
 from zoo.engine.fill import Fill, round_up, small_width
+from zoo.engine.flat_state import FlatState
 from zoo.engine.image_prefill import ImagePrefill, check_images, multimodal
 from zoo.engine.logprobs import TokenLogprob, records, to_numpy
 from zoo.engine.mask_schedule import MaskSchedule
@@ -172,7 +173,8 @@ class Generator(ProgramSet, Admission):
         if self.context > positions:
             log.warning("a context of %d tokens is past the model's %d positions", self.context, positions)
         self.memory_budget = memory_budget or default_memory_budget()
-        self._graphdef, self._state = nnx.split(model.module)
+        self._graphdef, state = nnx.split(model.module)
+        self._state = FlatState.of(state)                   # flattened once: each call dispatches faster
         eos = set(getattr(model.config, "eos_token_id", ()) or ())
         if model.tokenizer is not None:
             eos |= set(model.tokenizer.eos_token_ids)

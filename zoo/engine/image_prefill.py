@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from zoo.engine.flat_state import as_state
 from zoo.engine.request import ImageInput
 from zoo.models.architectures import architecture
 from zoo.models.shared.vision import MMInputs
@@ -173,7 +174,7 @@ class ImagePrefill:
         self.positions = prepare(self.mm, self.cfg, probe.prompt, probe.images).positions is not None
 
     def _tower_impl(self, state, patches, geometry):
-        rows = nnx.merge(self.graphdef, state).encode_images_padded(patches, geometry)
+        rows = nnx.merge(self.graphdef, as_state(state)).encode_images_padded(patches, geometry)
         return jnp.pad(rows, ((0, self.max_rows - rows.shape[0]), (0, 0)))
 
     def bucket(self, rows: int) -> int:

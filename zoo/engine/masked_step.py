@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.engine import speculative
+from zoo.engine.flat_state import as_state
 from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.sampling import flag_nonfinite, position_keys, row_keys, sample
 from zoo.engine.token_mask import apply_token_mask
@@ -73,7 +74,7 @@ class MaskedPrograms:
                        keep_unused=keep_unused)
 
     def _model(self, state):
-        return nnx.merge(self._graphdef, state)
+        return nnx.merge(self._graphdef, as_state(state))
 
     def _logits(self, state, batch, active):
         logits, _, cache = self._model(state)(batch["carry"]["tok"][:, None], active[:, None], batch["cache"])

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zoo.engine.flat_state import as_state
 from zoo.engine.prefix_cache import PrefixCache, Snapshot, split_leaves
 from zoo.engine.step_programs import shared
 from zoo.sharding.cache_axes import map_with_axes, shard_cache, token_axis
@@ -139,7 +140,7 @@ class RowCopies:
         cache = row["cache"]
         if not self.k:
             return shard_cache(cache), None
-        model = nnx.merge(self.graphdef, weights)
+        model = nnx.merge(self.graphdef, as_state(weights))
         h, tok, n = row["carry"]["h"], row["carry"]["tok"], row["carry"]["n"]
         keep = n - 1
         index = cache.mtp.slots.index

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.engine import speculative
+from zoo.engine.flat_state import as_state
 from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.masked_step import MaskedPrograms, pick_next
 from zoo.engine.rows import first_token, place
@@ -119,7 +120,7 @@ def prefill_piece(graphdef, k: int, state, ids, mask, h_prev, next_ids, next_mas
     ``maybe_token_logprobs`` of ``next_ids`` ([1, C] leaves: position t scores the token after t;
     computed where the traced bool ``want_lp`` holds)).
     ``mm``: the piece's image inputs (``ImagePrefill.piece``), None for text."""
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, as_state(state))
     count = mask.sum(axis=1, dtype=jnp.int32)
     index, has_prev = cache.slots.index, cache.slots.pos > 0
     logits, hidden, cache = model(ids, mask, cache) if mm is None else model(ids, mask, cache, mm=mm)
@@ -145,7 +146,7 @@ def decode_step(graphdef, k: int, state, batch, active, force, cap, want_lp, pla
     (batch, tokens [B, T], n [B]: -1 for a row whose logits are not finite, the
     ``maybe_token_logprobs`` of ``tokens`` ([B, T] leaves) from the target model's logits (the
     verify logits when speculating), computed where the traced bool ``want_lp`` holds)."""
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, as_state(state))
     cache, carry, params = batch["cache"], batch["carry"], batch["params"]
     if k:
         k = k if k_run is None else k_run
@@ -189,7 +190,7 @@ def decode_narrow(graphdef, k: int, state, batch, active, force, cap, want_lp, p
 def empty_batch(graphdef, k: int, state, rows: int, length: int) -> dict:
     """The batch state of ``rows`` x ``length`` slots, zeroed: ``cache`` (the model's, without its MTP
     part when ``k`` is 0), ``carry`` and the sampling ``params`` (``Generator``'s layout)."""
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, as_state(state))
     cache = shard_cache(model.init_cache(rows, length))
     if not k:
         cache = cache.without_mtp()
