@@ -115,7 +115,7 @@ def bench_model(name: str, k: int, streams: list[int], tokens: int, repeat: int,
         if acc.tried[0]:
             rates = ", ".join(f"{a / t:.2f}" if t else "-" for a, t in zip(acc.accepted, acc.tried))
             print(f"  {source:8s} drafts: acceptance by position [{rates}] over {int(acc.tried[0])} row-steps")
-    print("  step seconds by option@rows: " + ", ".join(f"{key} {v[0] * 1e3:.1f} ms"
+    print("  step seconds by option@rows[/narrow width]: " + ", ".join(f"{key} {v[0] * 1e3:.1f} ms"
                                                           for key, v in sorted(policy.table.items())))
 
 

@@ -19,7 +19,7 @@ import pytest
 import zoo
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
-from zoo.engine.spec_policy import MIN_SAMPLES, Acceptance, PromptLookup, SpecPolicy, reach
+from zoo.engine.spec_policy import MIN_SAMPLES, Acceptance, PromptLookup, SpecPolicy, parse_key, reach, table_key
 from zoo.engine.speculative import accept
 from zoo.server import grammar as G
 
@@ -123,6 +123,33 @@ def test_auto_picks_the_most_tokens_per_second():
     follower.load(table)
     assert follower.table == {key: list(v) for key, v in table.items()} and follower.shared
     assert follower.plan(rows, active, cap, force).option == "d1"    # the exported medians: 1 draft at 1.1 s
+
+
+def test_the_narrow_programs_steps_are_timed_apart():
+    """A step of the narrow decode programs (``Plan.width``) is timed under its own keys
+    (``"option@rows/width"``) and decided from them: on a CPU it costs what its rows cost, not what
+    the whole batch's step costs at the same count of decoding rows. Here drafting pays on the narrow
+    program (1 draft 1.1 s against 1.0 s off) and not on the whole batch's (3.0 s against 1.0 s)."""
+    policy = SpecPolicy(3, "auto", lookup=False)
+
+    class Row:
+        def __init__(self):
+            self.prompt, self.raw, self.stats, self.spec = [1, 2, 3], [4], {}, None
+    rows, active = [Row(), Row(), None, None], np.array([True, True, False, False])
+    cap, force = np.full(4, 4, np.int32), np.full(4, -1, np.int32)
+    seconds = {0: {"off": 1.0, "d1": 3.0, "d2": 3.5, "d3": 4.0}, 2: {"off": 1.0, "d1": 1.1, "d2": 3.0, "d3": 3.2}}
+    for width in (0, 2):                                     # each width's options are timed first, in order
+        for _ in range(MIN_SAMPLES * 4):
+            plan = policy.plan(rows, active, cap, force, width)
+            assert plan.width == width
+            policy.observe(plan, rows, np.array([1, 1, 0, 0], np.int32), cap, seconds[width][plan.option])
+    assert set(policy.table) == {table_key(o, 2, w) for o in seconds[0] for w in (0, 2)}
+    assert parse_key("d1@2/2") == ("d1", 2, 2) and parse_key("off@16") == ("off", 16, 0)
+    for row in rows[:2]:                                     # acceptance 0.9 at every position
+        row.spec.mtp.tried, row.spec.mtp.accepted = [100.0] * 3, [90.0] * 3
+    assert policy.plan(rows, active, cap, force, 2).option == "d1"
+    assert policy.plan(rows, active, cap, force, 0).option == "off"
+    assert policy._costs(2, 4) == dict.fromkeys(policy.options)       # a width never timed: nothing to go by
 
 
 @pytest.fixture(scope="module")

@@ -369,10 +369,10 @@ class Generator(ProgramSet, Admission):
         force = np.array([r.forcing[0] if r is not None and r.forcing else -1 for r in rows], np.int32)
         cap = np.array([self._room(r) if r is not None else 1 for r in rows], np.int32)
         want = any(r is not None and r.options.logprobs is not None for r in rows)
-        plan = None if not self.k else self.spec_policy.plan(rows, active, cap, force)
         masked = any(r is not None and r.constraint is not None for r in rows)
-        self.steps += 1
         w = self.narrow_rows if self.narrow_rows and not masked and not active[self.narrow_rows:].any() else 0
+        plan = None if not self.k else self.spec_policy.plan(rows, active, cap, force, w)
+        self.steps += 1
         t0 = time.perf_counter()
         try:
             if masked:

@@ -14,7 +14,9 @@ step ``SpecPolicy.plan`` picks one *option*::
 source whose conditional acceptance by position is a_1..a_K emits 1 + sum_{j<=d} a_1...a_j tokens
 on average (``Acceptance``: the row's own counts, shrunk toward every row's, which for lookup
 drafts are kept by the length of the n-gram that matched); an option's seconds are the median of
-its last timed steps at that batch size (or the nearest one where it was timed). An option never
+its last timed steps at that batch size and program width (``table_key``: a step of the narrow
+decode programs is timed apart from the whole batch's) or the nearest batch size where it was timed
+at that width. An option never
 timed is tried first (in order), and every ``REFRESH`` steps the least recently timed one is timed
 again. Drafting is chosen only when it expects ``MARGIN`` (5%) more tokens per second than drafting
 off: a smaller gain is within the timings' noise. ``fixed`` is MTP drafts of length K every step (the
@@ -139,6 +141,7 @@ class Plan:
     host: np.ndarray
     sources: list
     active: int = 0                              # rows decoding this step (the batch size it is timed at)
+    width: int = 0                               # the program's rows: 0 the whole batch, else the narrow one's
     matches: list | None = None                  # per row: the n-gram length of its lookup match (0: none)
 
     def arrays(self) -> dict:
@@ -148,6 +151,20 @@ class Plan:
 def batch_bucket(active: int) -> int:
     """Timings are kept per power-of-two count of decoding rows (1, 2, 4, ...)."""
     return 1 << max(0, int(active) - 1).bit_length()
+
+
+def table_key(option: str, bucket: int, width: int = 0) -> str:
+    """A cost table's key: ``"option@bucket"`` for a step of the whole batch, ``"option@bucket/width"``
+    for one of the narrow decode programs (``step_programs.decode_narrow``: on a CPU it costs what its
+    rows cost, so its timings are not the whole batch's at the same count of decoding rows)."""
+    return f"{option}@{bucket}" + (f"/{width}" if width else "")
+
+
+def parse_key(key: str) -> tuple[str, int, int]:
+    """``table_key``'s (option, bucket, width)."""
+    option, _, rest = key.partition("@")
+    bucket, _, width = rest.partition("/")
+    return option, int(bucket), int(width or 0)
 
 
 class SpecPolicy:
@@ -184,9 +201,11 @@ class SpecPolicy:
         return st
 
     # -- choosing -----------------------------------------------------------------------------------
-    def plan(self, rows: list, active: np.ndarray, cap: np.ndarray, force: np.ndarray) -> Plan:
+    def plan(self, rows: list, active: np.ndarray, cap: np.ndarray, force: np.ndarray, width: int = 0) -> Plan:
         """The plan for a step over ``rows`` (Request or None per batch row) with ``active`` [B] bool,
-        ``cap`` [B] (tokens a row may emit) and ``force`` [B] (>= 0: the row emits a forced token)."""
+        ``cap`` [B] (tokens a row may emit) and ``force`` [B] (>= 0: the row emits a forced token);
+        ``width``: the rows of the program the step runs (0: the whole batch; the narrow programs'
+        timings are kept apart)."""
         b = len(rows)
         lengths, drafts = np.zeros(b, np.int32), np.zeros((b, self.k), np.int32)
         host, sources = np.zeros(b, bool), [None] * b
@@ -194,7 +213,7 @@ class SpecPolicy:
             for r, req in enumerate(rows):       # (processes in lockstep decide alike only from a shared table)
                 if active[r] and req is not None:
                     lengths[r], sources[r] = self.k, "mtp"
-            return self._chose(Plan(f"d{self.k}", lengths, drafts, host, sources, int(active.sum())))
+            return self._chose(Plan(f"d{self.k}", lengths, drafts, host, sources, int(active.sum()), width))
         n_active = int(active.sum())
         bucket = batch_bucket(n_active)
         live = [r for r, req in enumerate(rows) if active[r] and req is not None and force[r] < 0 and cap[r] > 1]
@@ -216,7 +235,7 @@ class SpecPolicy:
             """The live rows' expected tokens with up to m MTP drafts each, or its lookup drafts."""
             return sum(max(e[min(m, len(e) - 1)], look) for e, look in zip(e_mtp, e_lookup))
 
-        costs = self._costs(bucket)
+        costs = self._costs(bucket, width)
         option = self._explore(costs)
         if option is None:
             score = {o: (n_active if o == "off" else n_active - n + expected(int(o[1:]))) / max(costs[o][0], 1e-9)
@@ -233,20 +252,21 @@ class SpecPolicy:
                     drafts[r, :len(proposal)] = proposal
                 else:
                     lengths[r], sources[r] = d, "mtp"
-        return self._chose(Plan(option, lengths, drafts, host, sources, n_active, matches))
+        return self._chose(Plan(option, lengths, drafts, host, sources, n_active, width, matches))
 
     def _chose(self, plan: Plan) -> Plan:
         self.steps += 1
         self.chosen[plan.option] += 1
         return plan
 
-    def _costs(self, bucket: int) -> dict:
-        """Each option's table entry at this batch size, or where it was never timed there, at the
-        nearest batch size where it was (None: never timed)."""
+    def _costs(self, bucket: int, width: int = 0) -> dict:
+        """Each option's table entry at this batch size and program width, or where it was never
+        timed there, at the nearest batch size where it was at that width (None: never timed)."""
         out = {}
+        keys = [(parse_key(key), key) for key in self.table]
         for o in self.options:
-            timed = [(abs(int(key.split("@")[1]).bit_length() - bucket.bit_length()), key)
-                     for key in self.table if key.startswith(o + "@")]
+            timed = [(abs(b.bit_length() - bucket.bit_length()), key) for (opt, b, w), key in keys
+                     if opt == o and w == width]
             out[o] = self.table[min(timed)[1]] if timed else None
         return out
 
@@ -281,7 +301,7 @@ class SpecPolicy:
             hist[str(length)] = hist.get(str(length), 0) + 1
         if seconds is None or self.mode == "fixed":
             return
-        key = f"{plan.option}@{batch_bucket(plan.active)}"
+        key = table_key(plan.option, batch_bucket(plan.active), plan.width)
         got = self.samples.setdefault(key, [])
         got.append(float(seconds))
         del got[:-SAMPLES]
