@@ -88,16 +88,20 @@ def test_lengths_and_certain_drafts_keep_the_target_distribution():
     assert second.size > 20_000 and tv(second, p[1]) < 0.015
 
 
+class PolicyRow:
+    """What ``SpecPolicy`` reads of a request: a prompt of 3 tokens, 1 emitted."""
+
+    def __init__(self):
+        self.prompt, self.raw, self.stats, self.spec = [1, 2, 3], [4], {}, None
+
+
 def test_auto_picks_the_most_tokens_per_second():
     """Costs timed: drafting off 1.0 s; 1 draft 1.1 s; 2 drafts 3 s; 3 drafts 3.2 s. Rows accepting
     0.9 of drafts gain from one draft (1.9 tokens in 1.1 s) but not from more; rows accepting none
     draft nothing."""
     policy = SpecPolicy(3, "auto", lookup=False)
 
-    class Row:
-        def __init__(self):
-            self.prompt, self.raw, self.stats, self.spec = [1, 2, 3], [4], {}, None
-    rows, active = [Row(), Row()], np.ones(2, bool)
+    rows, active = [PolicyRow(), PolicyRow()], np.ones(2, bool)
     cap, force = np.full(2, 4, np.int32), np.full(2, -1, np.int32)
     seconds = {"off": 1.0, "d1": 1.1, "d2": 3.0, "d3": 3.2}
     for _ in range(MIN_SAMPLES * 4):                        # every option is timed first, in order
@@ -132,10 +136,7 @@ def test_the_narrow_programs_steps_are_timed_apart():
     program (1 draft 1.1 s against 1.0 s off) and not on the whole batch's (3.0 s against 1.0 s)."""
     policy = SpecPolicy(3, "auto", lookup=False)
 
-    class Row:
-        def __init__(self):
-            self.prompt, self.raw, self.stats, self.spec = [1, 2, 3], [4], {}, None
-    rows, active = [Row(), Row(), None, None], np.array([True, True, False, False])
+    rows, active = [PolicyRow(), PolicyRow(), None, None], np.array([True, True, False, False])
     cap, force = np.full(4, 4, np.int32), np.full(4, -1, np.int32)
     seconds = {0: {"off": 1.0, "d1": 3.0, "d2": 3.5, "d3": 4.0}, 2: {"off": 1.0, "d1": 1.1, "d2": 3.0, "d3": 3.2}}
     for width in (0, 2):                                     # each width's options are timed first, in order

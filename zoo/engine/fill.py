@@ -38,8 +38,10 @@ def small_width(chunk: int, least: int, mesh=None) -> int:
     step 1-1.4 ms. There the small width is ``chunk / 64``, so that the stream's wait stays within a
     few decode steps. Elsewhere a piece's cost is mostly reading the weights, as a decode step's is,
     and a narrower piece would only slow the prompt: ``chunk / 16``."""
-    devices = None if mesh is None else mesh.devices.flat
-    cpu = jax.default_backend() == "cpu" if mesh is None else len(devices) == 1 and devices[0].platform == "cpu"
+    if mesh is None:
+        cpu = jax.default_backend() == "cpu"
+    else:
+        cpu = mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu"
     return max(least, chunk // (SMALL_PER_CHUNK_CPU if cpu else SMALL_PER_CHUNK))
 
 
