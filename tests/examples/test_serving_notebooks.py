@@ -15,7 +15,7 @@ import sys
 
 from tests.support.notebooks import NOTEBOOKS, outputs_text, run_notebook
 
-COMMON = {"INSTALL": None, "GGUF": None, "PUSH_DATASET": None, "MAX_TOKENS": 32, "BATCHES": [1, 3],
+COMMON = {"INSTALL": None, "GGUF": None, "PUSH_DATASET": None, "MAX_TOKENS": 8, "BATCHES": [1, 3],
           "SERVE_ARGS": ["--max-batch", "4", "--context", "1024", "--prefill-chunk", "64"]}
 EIGHT_CPUS = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
 
