@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -42,7 +43,14 @@ class _Compiles(logging.Handler):
             _compiles.append((_current["test"], m[1], 0.0, True))
 
 
+def _runs_tests(config) -> bool:
+    """False in an xdist controller, which runs no test: it records nothing and imports nothing."""
+    return hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None) in (None, 0)
+
+
 def pytest_configure(config):
+    if not _runs_tests(config):
+        return
     import jax
 
     from zoo.engine import generator
@@ -55,7 +63,9 @@ def pytest_configure(config):
     def recorded(self, model, **kw):
         built(self, model, **kw)
         mesh = getattr(model, "mesh", None)
-        _generators.append({"test": _current["test"], "graph": f"{hash(self._graphdef) & 0xffffff:06x}",
+        # the graph's digest, not hash(): Python salts hashes per process, and each worker is one
+        graph = hashlib.sha256(repr(self._graphdef).encode()).hexdigest()[:12]
+        _generators.append({"test": _current["test"], "graph": graph,
                             "rows": self._B, "slots": self._L, "k": self.k, "widths": list(self.prefill_widths),
                             "narrow": self.narrow_rows, "devices": None if mesh is None else int(mesh.devices.size)})
 
@@ -69,9 +79,15 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_unconfigure(config):
+    if not _runs_tests(config):
+        return
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"census-{os.getpid()}.json"), "w") as f:
         json.dump({"compiles": _compiles, "generators": _generators}, f)
+
+
+def _file(test: str | None) -> str:
+    return (test or "(outside a test)").split("::")[0]
 
 
 def summary(directory: str = OUT) -> str:
@@ -91,12 +107,12 @@ def summary(directory: str = OUT) -> str:
     out += [f"  {s:7.1f} s {n:5d}  {p}" for p, (n, s) in sorted(by.items(), key=lambda x: -x[1][1])[:15]]
     files = collections.Counter()
     for test, _, seconds, _ in compiles:
-        files[(test or "(collection)").split("::")[0]] += seconds
+        files[_file(test)] += seconds
     out.append("\nby test file (seconds), the 25 largest:")
     out += [f"  {s:7.1f} s  {f}" for f, s in files.most_common(25)]
     shapes = collections.defaultdict(set)
     for g in generators:
-        shapes[(g["rows"], g["slots"])].add((g["test"] or "").split("::")[0])
+        shapes[(g["rows"], g["slots"])].add(_file(g["test"]))
     configs = {(g["graph"], g["rows"], g["slots"], g["k"], tuple(g["widths"]), g["narrow"], g["devices"])
                for g in generators}
     out.append(f"\n{len(configs)} distinct generator configurations, {len(shapes)} (rows, slots) shapes; "
