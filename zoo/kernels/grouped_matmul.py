@@ -197,8 +197,8 @@ def moe_grouped(x, weights, ids, gate, up, down, limit, *, block_rows: int = 128
         weighted = lambda acc, w: jnp.where(w != 0, w * acc.astype(dtype).astype(F32), 0.0)    # noqa: E731
         y = _grouped([h[:, d.order]], [d], [0], plan.block_expert, plan.n_used, block_rows, weighted, F32,
                      plan.row_weight[:, None], interpret, "down")
-        y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])      # the row of slots without one
-        return jnp.sum(y[plan.slot_row], axis=1).astype(dtype)
+        # a slot without a row (slot_row one past the last) reads zeros: no padded copy of y
+        return jnp.sum(jnp.take(y, plan.slot_row, axis=0, mode="fill", fill_value=0), axis=1).astype(dtype)
 
     return jax.lax.cond(plan.n_used[0] > 0, routed, jnp.zeros_like, x)   # no slot here: read nothing
 

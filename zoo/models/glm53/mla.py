@@ -13,9 +13,11 @@ Indexer ("full" layers; scores in true f32), for queries at position p:
   pools: tokens (by position) 0..P-1, P..2P-1, ...; pool key = sum_s softmax_s(gi_s + ape_s) * ki_s
   score(p, j) = sum_h w[p, h] * relu(qi[p, h] . poolkey_j * di^-0.5),  w = weights_proj(x) * Hi^-0.5
   candidates: complete pools ending at or before p; keep the best index_topk / P of them, plus the
-  incomplete tail pool of p (tokens (p+1) - (p+1) % P .. p). The result is the selected pools
-  [B, T, NP] that "shared" layers reuse; the attention turns them into the slots a query sees block
-  by block (``pool_visibility``), reading only the filled blocks (no [B, T, L] mask is built).
+  incomplete tail pool of p (tokens (p+1) - (p+1) % P .. p). Only the pools up to the furthest
+  candidate are scored, block by block into a running top-k (``select_top_pools``). The result is
+  the selected pools [B, T, NP] that "shared" layers reuse; the attention turns them into the slots
+  a query sees block by block (``pool_visibility``), reading only the filled blocks (no [B, T, L]
+  mask is built).
 
 Positions are token counts per row (padding excluded), so left padding does not shift the pools.
 Cache per MLA layer: ``LatentCache(latent [B, L, C], indexer)``; on full-indexer layers ``indexer`` is an
@@ -51,6 +53,7 @@ from zoo.sharding.cache_axes import CacheState, cache_state
 from zoo.sharding.mesh import current_spec
 
 HIGHEST = jax.lax.Precision.HIGHEST
+POOL_BLOCKS = (2048, 1024, 512, 256)    # pools the indexer scores per block (``select_top_pools``)
 F32_MIN = jnp.finfo(jnp.float32).min
 
 
@@ -192,19 +195,56 @@ class Indexer(nnx.Module):
         b, t, _ = x.shape
         q = self.wq_b(q_resid).reshape(b, t, self.n_heads, self.head_dim)
         cache = self._update_pools(self.k_norm(self.wk(x)), self.compress_gate(x), pos, cache, keep_steps)
-        pool_k = cache.pool_k
-        scores = jnp.einsum("bthd,bpd->bthp", q.astype(jnp.float32), pool_k.astype(jnp.float32),
-                            precision=HIGHEST)
-        scores = jax.nn.relu(scores * self.head_dim ** -0.5)
         w = self.weights_proj(x).astype(jnp.float32) * self.n_heads ** -0.5
-        index = jnp.einsum("bth,bthp->btp", w, scores, precision=HIGHEST)                  # [B, T, NP]
-        n_pools = pool_k.shape[1]
-        candidate = jnp.arange(n_pools)[None, None, :] < ((pos.query_pos + 1) // self.pool)[..., None]
-        top = jax.lax.top_k(jnp.where(candidate, index, F32_MIN), min(self.pools_kept, n_pools))[1]
-        chosen = jnp.take_along_axis(candidate, top, axis=-1)
-        selected = jnp.zeros((b, t, n_pools), bool).at[
-            jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], top].set(chosen)
+        q = q.astype(jnp.float32)
+
+        def index_of(pool_k: jax.Array) -> jax.Array:               # [B, S, di] -> [B, T, S]
+            scores = jnp.einsum("bthd,bpd->bthp", q, pool_k.astype(jnp.float32), precision=HIGHEST)
+            scores = jax.nn.relu(scores * self.head_dim ** -0.5)
+            return jnp.einsum("bth,bthp->btp", w, scores, precision=HIGHEST)
+
+        limit = (pos.query_pos + 1) // self.pool          # candidates: complete pools before the query
+        selected = select_top_pools(index_of, cache.pool_k, limit, self.pools_kept)
         return selected, cache
+
+
+def select_top_pools(index_of, pool_k: jax.Array, limit: jax.Array, kept: int) -> jax.Array:
+    """The indexer's choice -> selected pools ``[B, T, NP]`` bool: of the candidate pools ``j <
+    limit[b, t]`` (``limit [B, T]``), the ``kept`` with the highest index score (ties: the lower pool),
+    all of them where there are fewer. ``index_of(keys [B, S, di]) -> float32 [B, T, S]`` scores the
+    queries against some of ``pool_k [B, NP, di]``'s pools.
+
+    Only the pools up to the largest ``limit`` are scored: in blocks of ``key_block(NP, POOL_BLOCKS)``
+    pools, each merged into a running top-``kept`` (a traced block count, so one program serves
+    every fill level); a window under two blocks is scored whole. The blocks choose exactly what one ``top_k``
+    over every pool would, since the running entries precede the block's (lower pools first among
+    equal scores) and no pool past the largest limit is a candidate."""
+    b, t = limit.shape
+    n_pools = pool_k.shape[1]
+    kept = min(kept, n_pools)
+    block = key_block(n_pools, POOL_BLOCKS)
+    if block is None:
+        candidate = jnp.arange(n_pools)[None, None, :] < limit[..., None]
+        top = jax.lax.top_k(jnp.where(candidate, index_of(pool_k), F32_MIN), kept)[1]
+    else:
+        def step(i, carry):
+            values, ids = carry
+            at, own = block_at(i * block, block, n_pools)
+            pools = at + jnp.arange(block, dtype=jnp.int32)
+            scores = jnp.where(pools < limit[..., None], index_of(jax.lax.dynamic_slice_in_dim(pool_k, at, block, 1)),
+                               F32_MIN)
+            scores = jnp.where(own, scores, -jnp.inf)                 # a pool an overlapping block read before
+            every = jnp.concatenate([values, scores], axis=-1)
+            every_id = jnp.concatenate([ids, jnp.broadcast_to(jnp.where(own, pools, n_pools), scores.shape)], axis=-1)
+            values, pick = jax.lax.top_k(every, kept)
+            return values, jnp.take_along_axis(every_id, pick, axis=-1)
+
+        n_blocks = jnp.clip(-(-jnp.max(limit) // block), 1, -(-n_pools // block))
+        init = (jnp.full((b, t, kept), -jnp.inf, jnp.float32), jnp.full((b, t, kept), n_pools, jnp.int32))
+        top = jax.lax.fori_loop(0, n_blocks, step, init)[1]
+    chosen = top < limit[..., None]
+    return jnp.zeros((b, t, n_pools), bool).at[
+        jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], top].set(chosen, mode="drop")
 
 
 def pool_visibility(pools: jax.Array, key_pos: jax.Array, query_pos: jax.Array, pool: int,

@@ -36,12 +36,12 @@ import jax.numpy as jnp
 F32_MIN = jnp.finfo(jnp.float32).min
 
 
-def key_block(length: int) -> int | None:
-    """Slots per key block for a window of ``length`` slots: the widest of 512, 256 that divides it
+def key_block(length: int, widths: tuple[int, ...] = (512, 256)) -> int | None:
+    """Slots per key block for a window of ``length`` slots: the widest of ``widths`` that divides it
     into at least two blocks; else the widest of them that fits twice (the last block then starts
     at ``length - block`` and reads only the slots no block before it read: :func:`block_at`); or
     None (the whole window at once)."""
-    fits = [n for n in (512, 256) if length >= 2 * n]
+    fits = [n for n in widths if length >= 2 * n]
     return next((n for n in fits if length % n == 0), fits[0] if fits else None)
 
 
