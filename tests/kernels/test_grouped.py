@@ -39,20 +39,30 @@ def test_ragged_plan_sorts_slots_into_single_expert_blocks():
     n_used = int(sum(-(-c // 2) for c in counts))
     assert plan.n_used.tolist() == [n_used] and plan.block_expert.shape == (5 + 4,)
     assert plan.block_expert.tolist() == [0, 1, 2, 2, 2, 3, 3, 3, 3]            # padding repeats the last
-    rows = np.asarray(plan.slot_row)
-    for (t, k), row in np.ndenumerate(rows):                                    # every slot has its own row,
-        assert plan.row_token[row] == t and plan.row_weight[row] == weights[t, k]     # in its expert's blocks
-        assert plan.block_expert[row // 2] == ids[t, k]
-    assert len(set(rows.ravel().tolist())) == rows.size
-    padding = np.setdiff1d(np.arange(n_used * 2), rows.ravel())
-    assert np.all(np.asarray(plan.row_weight)[padding] == 0)
+    assert live_rows(plan, 2) == slots(ids, weights)        # every slot has its own row, in its expert's blocks
     # weight-0 slots (other devices' experts in the ep layout) get no row and no block
     dead = np.asarray(weights).copy()
     dead[np.asarray(ids) == 2] = 0
     plan = gm.ragged_plan(ids, jnp.asarray(dead), n_experts=4, block_rows=2)
     assert plan.n_used.tolist() == [3] and plan.block_expert.tolist()[:3] == [0, 1, 3]
-    rows = np.asarray(plan.slot_row)
-    assert np.all(rows[np.asarray(ids) == 2] == 9 * 2) and np.all(rows[np.asarray(ids) != 2] < 3 * 2)
+    assert live_rows(plan, 2) == slots(ids, dead) and not np.asarray(plan.row_weight)[3 * 2:].any()
+
+
+def slots(ids, weights) -> list[tuple]:
+    """(token, weight, expert) of every slot with a weight."""
+    ids, weights = np.asarray(ids), np.asarray(weights)
+    return sorted((t, float(weights[t, k]), int(ids[t, k])) for t, k in np.ndindex(ids.shape) if weights[t, k])
+
+
+def live_rows(plan, block_rows: int) -> list[tuple]:
+    """(token, weight, block expert) of every row with a weight; checks that they are the first rows
+    of their block (the combining kernel adds a block's first ``live`` rows only)."""
+    weight = np.asarray(plan.row_weight).reshape(-1, block_rows)
+    live = weight != 0
+    assert np.all(live[:, 1:] <= live[:, :-1]), "a padding row before a live row"
+    rows = np.nonzero(live.ravel())[0]
+    return sorted((int(plan.row_token[r]), float(plan.row_weight[r]), int(plan.block_expert[r // block_rows]))
+                  for r in rows)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)

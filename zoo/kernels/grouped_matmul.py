@@ -13,8 +13,8 @@ scratch column **once, when the block's expert changes**, and every block of tha
 
     moe_grouped(x [N, D], weights [N, k], ids [N, k], gate, up, down, limit) -> [N, D]
         1. gate and up, SwiGLU with its clamp in the kernel      -> h     [rows, I] (sorted rows)
-        2. down, times each row's routing weight in the kernel   -> y     [rows, D] float32
-        3. combine: each token sums its k rows (a gather, then a sum over k)
+        2. down, times each row's routing weight, and each row added to its token's row in the
+           kernel (the output tile stays in VMEM over the row blocks)  -> y [N, D] float32
     linear_grouped(x [..., in], w, out_dtype) -> [..., out]     a 2-D QArray: one expert, all rows
 
 ``reference_moe`` (jnp: the banks decoded by the same tile decoders, then ``dense_moe``) is the CPU
@@ -53,6 +53,7 @@ from zoo.ops.matmul import decode_after, precision_for
 from zoo.ops.moe import dense_moe
 
 F32 = jnp.float32
+OUT_TILE = 16 << 20          # bytes of a combining kernel's output tile, resident in VMEM (double-buffered)
 
 __all__ = ["RaggedPlan", "ragged_plan", "moe_grouped", "linear_grouped", "reference_moe", "reference_linear"]
 
@@ -60,14 +61,12 @@ __all__ = ["RaggedPlan", "ragged_plan", "moe_grouped", "linear_grouped", "refere
 class RaggedPlan(NamedTuple):
     """``block_expert`` int32 [NB] (padding blocks repeat the last used expert), ``n_used`` int32
     [1], ``row_token`` int32 [NB * bm] (the token of each sorted row; 0 for padding rows),
-    ``row_weight`` float32 [NB * bm] (0 for padding rows), ``slot_row`` int32 [N, k] (the sorted row
-    of each (token, slot))."""
+    ``row_weight`` float32 [NB * bm] (0 for padding rows, which are the last rows of their block)."""
 
     block_expert: jax.Array
     n_used: jax.Array
     row_token: jax.Array
     row_weight: jax.Array
-    slot_row: jax.Array
 
 
 def n_blocks(n_slots: int, n_experts: int, block_rows: int) -> int:
@@ -77,7 +76,7 @@ def n_blocks(n_slots: int, n_experts: int, block_rows: int) -> int:
 
 def ragged_plan(ids: jax.Array, weights: jax.Array, n_experts: int, block_rows: int) -> RaggedPlan:
     """Sort the slots of ``ids [N, k]`` by expert into blocks of ``block_rows`` rows (on device).
-    A slot with weight 0 gets no row (its ``slot_row`` is ``NB * bm``, one past the last row)."""
+    A slot with weight 0 gets no row."""
     n, k = ids.shape
     live = weights.reshape(-1) != 0
     flat = jnp.where(live, ids.reshape(-1).astype(jnp.int32), n_experts)     # dead slots: group E, last
@@ -99,8 +98,7 @@ def ragged_plan(ids: jax.Array, weights: jax.Array, n_experts: int, block_rows: 
     return RaggedPlan(
         block_expert, used.reshape(1).astype(jnp.int32),
         jnp.zeros(rows, jnp.int32).at[row].set(order // k, mode="drop"),
-        jnp.zeros(rows, F32).at[row].set(weights.reshape(-1).astype(F32)[order], mode="drop"),
-        jnp.zeros(n * k, jnp.int32).at[order].set(row).reshape(n, k))
+        jnp.zeros(rows, F32).at[row].set(weights.reshape(-1).astype(F32)[order], mode="drop"))
 
 
 def used_block(b, n_used):
@@ -108,7 +106,7 @@ def used_block(b, n_used):
     return jnp.maximum(jnp.minimum(b, n_used[0] - 1), 0)
 
 
-def expert_block(j, b, block_expert, n_used):
+def expert_block(j, b, block_expert, n_used, *_):
     """Block index of a bank's planes at grid step (output tile ``j``, row block ``b``)."""
     return block_expert[used_block(b, n_used)], 0, j
 
@@ -116,26 +114,45 @@ def expert_block(j, b, block_expert, n_used):
 # --- Pallas (TPU) ------------------------------------------------------------------------------
 
 
+class Combine(NamedTuple):
+    """Sum the output rows into their tokens in the kernel: ``row_token`` int32 [rows] (each sorted
+    row's token), ``block_live`` int32 [NB] (the rows of each block that hold a slot: a block's
+    padding rows are its last ones), ``n_tokens``; the output is then float32 ``[n_tokens, out]``."""
+
+    row_token: jax.Array
+    block_live: jax.Array
+    n_tokens: int
+
+
 def _grouped(xs: list[jax.Array], weights: list[Weight], x_of: list[int], block_expert, n_used,
              block_rows: int, epilogue: Callable, out_dtype, row_weight: jax.Array | None,
-             interpret: bool, kernel_name: str = "grouped") -> jax.Array:
-    """``epilogue(xs[x_of[i]][block] @ W_i[block expert] for i [, row weights]) -> [rows, out]``."""
+             interpret: bool, kernel_name: str = "grouped", combine: Combine | None = None) -> jax.Array:
+    """``epilogue(xs[x_of[i]][block] @ W_i[block expert] for i [, row weights]) -> [rows, out]``;
+    with ``combine``, each row of it added to its token's row instead -> float32 ``[n_tokens, out]``:
+    the output tile stays in VMEM over every row block (zeroed at the first), and a block's live
+    rows are added one by one (a dynamic row of VMEM each)."""
     rows, d_out, n_b = xs[0].shape[0], weights[0].d_out, block_expert.shape[0]
     dtype = xs[0].dtype
     column_bytes = sum(w.order.size for w in weights) * jnp.dtype(dtype).itemsize      # decoded, per lane
     lanes = block_lanes(d_out, weights, per_lane=max(lane_bytes(weights), column_bytes))
+    if combine is not None:                               # the resident output tile: OUT_TILE bytes at most
+        lanes = min(lanes, block_lanes(d_out, weights, OUT_TILE, per_lane=combine.n_tokens * 4))
     names, tables, table_specs = table_operands(weights)
-    row_block = lambda j, b, e, nu: (used_block(b, nu), 0)          # noqa: E731
+    row_block = lambda j, b, e, nu, *_: (used_block(b, nu), 0)          # noqa: E731
     x_specs = [pl.BlockSpec((block_rows, x.shape[1]), row_block) for x in xs]
     extra = [] if row_weight is None else [row_weight]
     extra_specs = [pl.BlockSpec((block_rows, 1), row_block) for _ in extra]
     w_specs = [s for w in weights for s in block_specs(w, expert_block, lanes)]
     stage = staging(weights, lanes)
     n_planes = [len(w.planes) for w in weights]
-    counts = [len(xs), len(extra), sum(n_planes), len(names), 1, len(weights), len(stage)]
+    summed = [] if combine is None else [pltpu.VMEM((block_rows, lanes), F32)]
+    counts = [len(xs), len(extra), sum(n_planes), len(names), 1, len(weights), len(stage), len(summed)]
+    prefetch = [block_expert, n_used] + ([] if combine is None else [combine.row_token, combine.block_live])
 
     def kernel(block_expert_ref, n_used_ref, *refs):
-        x_refs, extra_refs, w_refs, t_refs, (out_ref,), columns, stage_refs = split_refs(refs, counts)
+        if combine is not None:
+            (row_token_ref, block_live_ref), refs = refs[:2], refs[2:]
+        x_refs, extra_refs, w_refs, t_refs, (out_ref,), columns, stage_refs, summed_refs = split_refs(refs, counts)
         tables_ = dict(zip(names, t_refs))
         b = pl.program_id(1)
         live = b < n_used_ref[0]
@@ -157,29 +174,51 @@ def _grouped(xs: list[jax.Array], weights: list[Weight], x_of: list[int], block_
 
             sub_tiles(lanes, tile)
 
+        if combine is not None:
+            @pl.when(b == 0)
+            def _():
+                out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
         @pl.when(live)
         def _():
             accs = [jnp.dot(x_refs[x_of[i]][...], columns[i][...], precision=precision_for(dtype),
                             preferred_element_type=F32) for i in range(len(weights))]
-            out_ref[...] = epilogue(*accs, *(r[...] for r in extra_refs)).astype(out_ref.dtype)
+            result = epilogue(*accs, *(r[...] for r in extra_refs))
+            if combine is None:
+                out_ref[...] = result.astype(out_ref.dtype)
+                return
+            summed_refs[0][...] = result.astype(F32)
+
+            def add_row(r, carry):
+                token = row_token_ref[b * block_rows + r]
+                out_ref[pl.ds(token, 1), :] += summed_refs[0][pl.ds(r, 1), :]
+                return carry
+
+            jax.lax.fori_loop(0, block_live_ref[b], add_row, 0)
 
     planes = [p for w in weights for p in w.planes]
+    if combine is None:
+        out_shape = (rows, d_out)
+        out_spec = pl.BlockSpec((block_rows, lanes), lambda j, b, e, nu: (used_block(b, nu), j))
+    else:
+        out_shape, out_dtype = (combine.n_tokens, d_out), F32
+        out_spec = pl.BlockSpec((combine.n_tokens, lanes), lambda j, b, *_: (0, j))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(n_tiles(d_out, lanes), n_b),
-        in_specs=x_specs + extra_specs + w_specs + table_specs,
-        out_specs=pl.BlockSpec((block_rows, lanes), lambda j, b, e, nu: (used_block(b, nu), j)),
-        scratch_shapes=[pltpu.VMEM((w.order.size, lanes), dtype) for w in weights] + stage)
-    blocks = spec_bytes([*xs, *extra, *planes, *tables], grid_spec.in_specs) + block_rows * lanes * 4
-    scratch = column_bytes * lanes + (LANES * lane_bytes(weights) if stage else 0)
+        num_scalar_prefetch=len(prefetch), grid=(n_tiles(d_out, lanes), n_b),
+        in_specs=x_specs + extra_specs + w_specs + table_specs, out_specs=out_spec,
+        scratch_shapes=[pltpu.VMEM((w.order.size, lanes), dtype) for w in weights] + stage + summed)
+    blocks = spec_bytes([*xs, *extra, *planes, *tables], grid_spec.in_specs) + out_spec.block_shape[0] * lanes * 4
+    scratch = (column_bytes * lanes + (LANES * lane_bytes(weights) if stage else 0)
+               + block_rows * lanes * 4 * len(summed))
     step_bytes = lanes * lane_bytes(weights)
     distinct = min(n_b, weights[0].planes[0].shape[0])                 # an expert's blocks are read once per tile
     record(f"grouped_matmul.{kernel_name}", n_b * n_tiles(d_out, lanes), step_bytes,
            n_tiles(d_out, lanes) * distinct * step_bytes)
     return pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((rows, d_out), out_dtype),
+        kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         compiler_params=compiler_params(blocks, scratch, max(w.tiling.chunk_inputs for w in weights)),
         interpret=interpret,
-    )(block_expert, n_used, *xs, *extra, *planes, *tables)
+    )(*prefetch, *xs, *extra, *planes, *tables)
 
 
 def moe_grouped(x, weights, ids, gate, up, down, limit, *, block_rows: int = 128,
@@ -195,10 +234,11 @@ def moe_grouped(x, weights, ids, gate, up, down, limit, *, block_rows: int = 128
                      lambda a, b: swiglu(a.astype(dtype), b.astype(dtype), limit), dtype, None, interpret,
                      "project")
         weighted = lambda acc, w: jnp.where(w != 0, w * acc.astype(dtype).astype(F32), 0.0)    # noqa: E731
+        # the rows of each block that hold a slot: its first ones
+        live_rows = (plan.row_weight != 0).reshape(-1, block_rows).sum(axis=1, dtype=jnp.int32)
         y = _grouped([h[:, d.order]], [d], [0], plan.block_expert, plan.n_used, block_rows, weighted, F32,
-                     plan.row_weight[:, None], interpret, "down")
-        # a slot without a row (slot_row one past the last) reads zeros: no padded copy of y
-        return jnp.sum(jnp.take(y, plan.slot_row, axis=0, mode="fill", fill_value=0), axis=1).astype(dtype)
+                     plan.row_weight[:, None], interpret, "down", Combine(plan.row_token, live_rows, x.shape[0]))
+        return y.astype(dtype)
 
     return jax.lax.cond(plan.n_used[0] > 0, routed, jnp.zeros_like, x)   # no slot here: read nothing
 
