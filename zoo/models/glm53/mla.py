@@ -216,9 +216,9 @@ def select_top_pools(index_of, pool_k: jax.Array, limit: jax.Array, kept: int) -
 
     Only the pools up to the largest ``limit`` are scored: in blocks of ``key_block(NP, POOL_BLOCKS)``
     pools, each merged into a running top-``kept`` (a traced block count, so one program serves
-    every fill level); a window under two blocks is scored whole. The blocks choose exactly what one ``top_k``
-    over every pool would, since the running entries precede the block's (lower pools first among
-    equal scores) and no pool past the largest limit is a candidate."""
+    every fill level); a window under two blocks is scored whole. The blocks choose exactly what
+    one ``top_k`` over every pool would, since the running entries precede the block's (lower pools
+    first among equal scores) and no pool past the largest limit is a candidate."""
     b, t = limit.shape
     n_pools = pool_k.shape[1]
     kept = min(kept, n_pools)
