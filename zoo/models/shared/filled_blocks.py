@@ -2,7 +2,8 @@
 combined with an online softmax (flash-attention style), shared by Qwen's gated attention and GLM's
 absorbed MLA.
 
-    key_block(L) -> 512 | 256 | None         slots per block (None: the window is under two blocks)
+    key_block(L, widths=(512, 256)) -> one of widths | None   slots per block (None: the window is under
+        two blocks of the narrowest)
     block_at(start, block, L) -> (at, own [block])  where a block is read (a last block that would
         run past the window overlaps the one before it; ``own`` masks the slots read twice)
     blocks_visited(write_at [B], T, L, live [B]) -> int32 scalar, blocks up to max(write_at) + T over
