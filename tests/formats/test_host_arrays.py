@@ -5,6 +5,8 @@ CPU host. Each is checked against the plain computation it replaces."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -98,3 +100,27 @@ def test_the_cpu_cache_budget_leaves_the_programs_room(monkeypatch):
     if "bytes_limit" not in (jax.local_devices()[0].memory_stats() or {}):
         assert rows.default_memory_budget() == int(0.4 * (1 << 30))
     assert rows.default_host_tier() == int(0.2 * (1 << 30))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="page cache hints are a Linux call")
+def test_reads_of_a_file_large_for_the_host_leave_no_page_cache_copy(tmp_path, monkeypatch):
+    """A file of at least a quarter of the host's memory: the page cache's copy of what ``read_into``
+    read is dropped (the loader keeps the bytes; reclaiming that copy was most of a large load's
+    time), the bytes outside the read stay. A smaller file stays cached. Residency by ``mincore``."""
+    from tests.support.page_cache import make_resident, resident_fraction
+    from zoo.formats import host_arrays
+
+    path = tmp_path / "weights"
+    data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    make_resident([path])
+    assert resident_fraction(path) == 1.0
+    got = read_into(path, 0, 2 << 20)                                      # 4 MiB on this host: small
+    assert np.array_equal(got, data[:2 << 20]) and resident_fraction(path) == 1.0
+    monkeypatch.setattr(host_arrays, "host_memory", lambda: 16 << 20)     # a host of 16 MiB: large
+    assert host_arrays.large_for_host(4 << 20) and not host_arrays.large_for_host((4 << 20) - 1)
+    got = read_into(path, 0, 2 << 20)
+    assert np.array_equal(got, data[:2 << 20])
+    assert resident_fraction(path) == 0.5                                   # the half not read stays
+    host_arrays.drop_cached([path, tmp_path / "missing"])                  # a missing file is skipped
+    assert resident_fraction(path) == 0.0

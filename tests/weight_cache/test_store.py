@@ -55,6 +55,29 @@ def test_round_trip_is_bit_identical(tmp_path, gguf):
           f"{fresh.load_info['seconds']['save']:.2f}s, restore {restored.load_info['seconds']['restore']:.2f}s")
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="page cache hints are a Linux call")
+def test_a_restore_large_for_the_host_leaves_no_page_cache_copy(tmp_path, monkeypatch):
+    """An entry of at least a quarter of the host's memory: once a group is read, the page cache's
+    copy of its files is dropped (``zoo.formats.host_arrays``: reclaiming it while the restore
+    allocated was most of a 14.8 GB restore's time); on a host where the entry is small it stays
+    cached. The same weights either way. Residency by ``mincore``."""
+    from tests.support.page_cache import make_resident, resident_fraction
+    from zoo.formats import host_arrays
+
+    saved = zoo.load("qwen38-tiny", cache=tmp_path)
+    entry = Path(saved.load_info["cache_path"])
+    state = [p for p in (entry / "state").rglob("*") if p.is_file() and p.stat().st_size]
+    size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+    make_resident(state)
+    kept = zoo.load("qwen38-tiny", cache=tmp_path)
+    assert kept.load_info["source"] == "cache" and min(map(resident_fraction, state)) == 1.0
+    monkeypatch.setattr(host_arrays, "host_memory", lambda: 2 * size)
+    dropped = zoo.load("qwen38-tiny", cache=tmp_path)
+    assert dropped.load_info["source"] == "cache" and max(map(resident_fraction, state)) == 0.0, \
+        [(p.name, resident_fraction(p)) for p in state]
+    assert_same_model(kept, dropped)
+
+
 def test_registry_model_and_dtype_are_part_of_the_fingerprint(tmp_path, capsys):
     a = zoo.load("qwen38-tiny", cache=tmp_path)
     b = zoo.load("qwen38-tiny", cache=tmp_path)

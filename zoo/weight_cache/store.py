@@ -68,7 +68,7 @@ import numpy as np
 
 from zoo import registry
 from zoo.formats import planes
-from zoo.formats.host_arrays import aligned_empty
+from zoo.formats.host_arrays import aligned_empty, drop_cached, large_for_host
 from zoo.models.architectures import ARCHITECTURES
 from zoo.sharding.mesh import value_specs
 from zoo.text.tokenizer import Tokenizer
@@ -524,11 +524,20 @@ def _read_leaves_here(entry: Path, group: str, state_dir: Path,
     return host
 
 
+def _drop_group_files(entry: Path, group: str, files: dict[str, int]) -> None:
+    """Drop the page cache's copy of ``group``'s files where the entry is large for this host."""
+    if large_for_host(sum(files.values())):
+        drop_cached(entry / rel for rel in files if rel.startswith(f"state/{group}/"))
+
+
 def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtypeStruct],
                 files: dict[str, int]) -> dict[str, Any]:
     """One parameter group's leaves, checked against the target's shapes and dtypes: with one process
     as whole host arrays (checked, then placed, by the caller: no device-to-host copy); with several,
-    on their target shardings (each process reads the chunks of its own devices' shards only)."""
+    on their target shardings (each process reads the chunks of its own devices' shards only).
+    In an entry that is large for this host (``zoo.formats.host_arrays.large_for_host``), the page
+    cache's copy of the group's files is dropped once they are read: nothing reads them again, and
+    the kernel reclaiming it while the restore allocates was most of a restore's time."""
     import orbax.checkpoint as ocp
 
     state_dir = (entry / "state" / group).absolute()
@@ -537,12 +546,15 @@ def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtype
     _check_files(entry, group, files)
     try:
         if jax.process_count() == 1:        # checked leaf by leaf as it is opened
-            return _read_leaves_here(entry, group, state_dir, target)
+            host = _read_leaves_here(entry, group, state_dir, target)
+            _drop_group_files(entry, group, files)
+            return host
         args = ocp.args.PyTreeRestore(
             item=dict(target),
             restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
                           for k, t in target.items()})
         host = ckptr.restore(state_dir, args=args)
+        _drop_group_files(entry, group, files)
     except CacheError:
         raise
     except Exception as e:      # orbax/tensorstore raise many kinds on truncated or missing files
