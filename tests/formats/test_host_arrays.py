@@ -124,3 +124,22 @@ def test_reads_of_a_file_large_for_the_host_leave_no_page_cache_copy(tmp_path, m
     assert resident_fraction(path) == 0.5                                   # the half not read stays
     host_arrays.drop_cached([path, tmp_path / "missing"])                  # a missing file is skipped
     assert resident_fraction(path) == 0.0
+
+
+def test_a_gguf_source_drops_what_it_reads_where_the_model_is_large_for_the_host(monkeypatch):
+    """A GGUF source decides once, from its whole file set (a split model of small files is large
+    too), and every read passes that to ``read_into`` (whose dropping is checked above)."""
+    from zoo.formats import host_arrays
+    from zoo.sources import gguf
+
+    path = DATA / "glm53-q256-udmix.gguf"
+    passed = []
+    read = gguf.read_into
+    monkeypatch.setattr(gguf, "read_into", lambda *a: passed.append(a[3]) or read(*a))
+    for memory, drop in [(4 * path.stat().st_size, True), (4 * path.stat().st_size + 1, False)]:
+        monkeypatch.setattr(host_arrays, "host_memory", lambda m=memory: m)
+        passed.clear()
+        src = GGUFSource(path)
+        for key in src.keys():
+            src.read(key)
+        assert len(passed) == len(src.keys()) and set(passed) == {drop}, (memory, set(passed))

@@ -3,7 +3,7 @@
     aligned_empty(shape, dtype) -> np.ndarray      C-contiguous, its data 64-byte aligned
     to_device(array) -> jax.Array                  ``jax.device_put``: on the CPU backend an aligned,
                                                    contiguous array becomes the device buffer itself
-    read_into(path, offset, nbytes) -> np.ndarray  bytes of a file by ``os.preadv`` into an aligned
+    read_into(path, offset, nbytes, drop=None)     bytes of a file by ``os.preadv`` into an aligned
                                                    buffer (sequential reads at disk speed, no page faults
                                                    on a memory map); the page cache's copy of them is
                                                    dropped where the file is large for this host
@@ -22,7 +22,10 @@ host's memory, the kernel must reclaim that copy while the load allocates, and o
 that are kept took 16-35 s (13.7-32.8 s of it in the kernel) against 8.6 s for a read into one
 reused buffer; with each file's pages dropped once read (``POSIX_FADV_DONTNEED``), 6.5-7.1 s (3.8-4.1
 s in the kernel). A file of at least ``1 / DROP_FRACTION`` of the host's memory is read that way
-(``large_for_host``); a smaller one stays cached, so that loading it again is a warm read.
+(``large_for_host``; a GGUF source decides from its whole file set); a smaller one stays cached, so
+that loading it again is a warm read. The kernel drops only the page-cache folios (up to 16 pages
+here) that lie wholly inside a read range, so up to two of them per read stay: a few MB over a
+full-size model's ~1,000 tensors of several MB each.
 """
 
 from __future__ import annotations
@@ -97,10 +100,11 @@ def to_device(array) -> jax.Array:
     return jax.device_put(array)
 
 
-def read_into(path, offset: int, nbytes: int) -> np.ndarray:
+def read_into(path, offset: int, nbytes: int, drop: bool | None = None) -> np.ndarray:
     """``uint8 [nbytes]`` of ``path`` from ``offset``, read with ``os.preadv`` into an aligned buffer
-    (``OSError`` on a short read: the file is shorter than its header says). In a file that is large
-    for this host (``large_for_host``) the page cache's copy of these bytes is dropped."""
+    (``OSError`` on a short read: the file is shorter than its header says). ``drop``: the page
+    cache's copy of these bytes is dropped once read; None: where the file is large for this host
+    (``large_for_host``; a reader of several files passes what their sum says)."""
     out = aligned_empty(nbytes, np.uint8)
     view = memoryview(out)
     fd = os.open(path, os.O_RDONLY)
@@ -111,7 +115,7 @@ def read_into(path, offset: int, nbytes: int) -> np.ndarray:
             if n <= 0:
                 raise OSError(f"{path}: {nbytes - done} bytes missing at offset {offset + done} (file truncated?)")
             done += n
-        if nbytes and large_for_host(os.fstat(fd).st_size):
+        if nbytes and (large_for_host(os.fstat(fd).st_size) if drop is None else drop):
             _drop(fd, offset, nbytes)
     finally:
         os.close(fd)

@@ -32,7 +32,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 
 from zoo.formats.ggml import QType
-from zoo.formats.host_arrays import read_into
+from zoo.formats.host_arrays import large_for_host, read_into
 from zoo.sources.base import SourceError
 from zoo.sources.gguf_header import SPLIT_KEYS, SPLIT_NAME, parse_header
 from zoo.sources.remote import RemoteGGUF, is_remote
@@ -149,6 +149,8 @@ class GGUFSource:
         if not isinstance(arch, str) or not arch:
             raise SourceError(f"{self.files[0]}: no general.architecture in the GGUF metadata")
         self.architecture: str = arch
+        # a model large for this host: the page cache's copy of what is read is dropped (host_arrays)
+        self._drop_reads = self.remote is None and large_for_host(sum(f.stat().st_size for f in self.files))
 
     def __repr__(self) -> str:
         return f"GGUFSource({', '.join(str(f) for f in self.files)})"
@@ -188,7 +190,8 @@ class GGUFSource:
             self.remote.ensure(info.file, info.offset + lo, info.offset + hi)
         elif _basic(index) and view.flags.c_contiguous and view.nbytes == hi - lo and view.nbytes:   # one range
             try:
-                return read_into(info.file, info.offset + lo, hi - lo).view(info.dtype).reshape(view.shape)
+                return read_into(info.file, info.offset + lo, hi - lo, self._drop_reads).view(info.dtype).reshape(
+                    view.shape)
             except OSError as e:
                 raise SourceError(f"{info.file}: tensor {key!r}: {e}") from None
         return np.array(view)
