@@ -4,7 +4,8 @@ where this user may; else every figure says "warm"), each with its baseline meas
 
     write           the synthetic file (skipped when it exists: --reuse)
     raw read        a sequential read of the GGUF into one reused buffer (the baseline of the load)
-    raw kept        the same read into fresh buffers that are kept, as any loader's bytes are: on a host
+    raw kept        the same read into fresh buffers that are kept, as any loader's bytes are (the page
+                    cache's copy dropped where the files are large for the host, as a load does): on a host
                     whose disk outruns its page faults, this is the floor of a load
     inspect, plan   ``zoo inspect`` / ``zoo plan`` on the file (time, peak RSS)
     load            ``zoo.load(FILE)``: time / raw read, peak RSS / the file's bytes
@@ -118,8 +119,10 @@ def run_child(step: str, args: dict) -> dict:
             out["first_token_s"] = times[0] - t1
             out["per_token_s"] = float(np.mean(np.diff(times))) if len(times) > 1 else None
     elif step == "raw kept":
-        from zoo.formats.host_arrays import read_into
-        held = [read_into(Path(f), 0, Path(f).stat().st_size) for f in args["files"] if Path(f).stat().st_size]
+        from zoo.formats.host_arrays import large_for_host, read_into
+        sizes = {f: Path(f).stat().st_size for f in args["files"]}
+        drop = large_for_host(sum(sizes.values()))         # as the loader and the restore decide, from the whole set
+        held = [read_into(Path(f), 0, n, drop) for f, n in sizes.items() if n]
         out["bytes"] = sum(h.nbytes for h in held)
     elif step == "build":
         import contextlib
