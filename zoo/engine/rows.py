@@ -19,6 +19,7 @@ import numpy as np
 from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.sampling import row_keys, sample
 from zoo.engine.token_mask import apply_token_mask
+from zoo.formats.host_arrays import host_memory
 
 
 def host_available() -> int:
@@ -36,8 +37,7 @@ def host_available() -> int:
 def default_host_tier() -> int:
     """Bytes of the prefix cache's host-RAM tier when none is given: a tenth of host RAM, at most a
     fifth of what is available now (on a CPU host the loaded weights are in that RAM too)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(0.1 * total, 0.2 * host_available()))
+    return int(min(0.1 * host_memory(), 0.2 * host_available()))
 
 
 def default_memory_budget() -> int:
@@ -50,8 +50,7 @@ def default_memory_budget() -> int:
     if "bytes_limit" in stats:
         budget = int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
     else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        budget = int(min(0.25 * total, 0.4 * host_available()))
+        budget = int(min(0.25 * host_memory(), 0.4 * host_available()))
     if jax.process_count() > 1:       # in MiB: without jax_enable_x64 the gathered int64 becomes int32
         from jax.experimental import multihost_utils
         mib = multihost_utils.process_allgather(np.int32(min(budget >> 20, 2**31 - 1)))

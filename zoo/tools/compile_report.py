@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zoo.engine.generator import Generator
+from zoo.formats.host_arrays import host_memory
 from zoo.kernels.census import kernel_census
 from zoo.kernels.dispatch import Policy, use_policy
 from zoo.loader.abstract import abstract_load, shard_bytes, shard_bytes_of
@@ -104,7 +105,7 @@ def usable_hbm(mesh: Mesh) -> int:
     """Bytes of HBM per chip the compiler lets a program use (from its own out-of-memory message); on
     CPU devices, this host's RAM divided among them."""
     if mesh.devices.flat[0].platform == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // mesh.devices.size
+        return host_memory() // mesh.devices.size
     return _usable_hbm(tuple(mesh.devices.flat))
 
 
