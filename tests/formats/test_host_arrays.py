@@ -42,6 +42,11 @@ def test_read_into_reads_the_byte_range_and_refuses_a_short_file(tmp_path):
     assert is_aligned(got) and np.array_equal(got, data[12345:12345 + (2 << 20)])
     with pytest.raises(OSError, match="bytes missing"):
         read_into(path, len(data) - 10, 20)
+    whole = aligned_empty(300, np.uint8)                # ``out``: into a part of a larger buffer
+    assert read_into(path, 7, 100, out=whole[100:200]) is not None
+    assert np.array_equal(whole[100:200], data[7:107])
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        read_into(path, 7, 100, out=whole[:101])
 
 
 def test_gguf_reads_equal_the_memory_map():

@@ -73,6 +73,7 @@ from zoo.models.architectures import ARCHITECTURES
 from zoo.sharding.mesh import value_specs
 from zoo.text.tokenizer import Tokenizer
 from zoo.weight_cache import digests as shard_digests
+from zoo.weight_cache import ocdbt_reader
 
 MANIFEST = "manifest.json"
 # 6: digests per saved shard (a process checks what it read); 5: GLM MLA kv_b stored [H*(dn+dv), C] as
@@ -494,18 +495,26 @@ def _check_leaf(entry: Path, group: str, k: str, dtype, shape, t: jax.ShapeDtype
 
 def _read_leaves_here(entry: Path, group: str, state_dir: Path,
                       target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
-    """A group's leaves as whole host arrays, each read by TensorStore straight into an aligned buffer
-    (``aligned_empty``): the arrays the restore checks and places (on the CPU backend the device
-    buffer is that memory). The leaves are the group's Orbax checkpoint's arrays (zarr2 in its OCDBT
-    store), opened with the spec Orbax reads them by; all are read at once. Orbax's own restore
-    returned arrays TensorStore allocated, which then needed an aligned copy: one more pass over
-    fresh memory per byte, and fresh memory is what a restore spends its time on (a page fault per
-    4 KiB)."""
+    """A group's leaves as whole host arrays in aligned buffers (``aligned_empty``): the arrays the
+    restore checks and places (on the CPU backend the device buffer is that memory). The leaves are
+    the group's Orbax checkpoint's arrays (zarr2 in its OCDBT store). Each leaf saved as one raw
+    chunk (every leaf one process saved) is read from its data file straight into its buffer
+    (``zoo.weight_cache.ocdbt_reader``: one copy, in file order); any other is read by TensorStore
+    into its buffer, with the spec Orbax reads it by. (Orbax's own restore returned arrays
+    TensorStore allocated, which then needed an aligned copy; TensorStore's read into a given
+    buffer still reads each chunk into one of its own first.)"""
     import tensorstore as ts
 
-    writes, host = [], {}
+    direct = ocdbt_reader.direct_reads(state_dir, target)
+    for k, d in direct.items():         # checked before any buffer is made
+        _check_leaf(entry, group, k, d.dtype, d.shape, target[k])
+    in_file_order = sorted(direct, key=lambda k: (str(direct[k].pieces[0][0]), direct[k].pieces[0][1]))
+    host = {k: ocdbt_reader.read_leaf(direct[k]) for k in in_file_order}
+    writes = []
     try:
         for k, t in target.items():
+            if k in host:
+                continue
             spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": k},
                     "recheck_cached_data": False, "recheck_cached_metadata": False}
             src = ts.open(spec, open=True, read=True, context=_ts_context()).result()
@@ -521,7 +530,7 @@ def _read_leaves_here(entry: Path, group: str, state_dir: Path,
                 failed = failed or e
     if failed is not None:
         raise failed
-    return host
+    return {k: host[k] for k in target}
 
 
 def _drop_group_files(entry: Path, group: str, files: dict[str, int]) -> None:
