@@ -264,6 +264,12 @@ def _digest_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 2)), thread_name_prefix="zoo-digest")
 
 
+@functools.lru_cache(maxsize=1)
+def _read_pool() -> ThreadPoolExecutor:
+    """The threads that read a group's leaves from their files (``ocdbt_reader.read_leaves``)."""
+    return ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="zoo-read")
+
+
 def host_digest(a: np.ndarray) -> int:
     """Content digest of a host array's bytes: CRC-32 of each 16 MiB chunk (zlib releases the GIL,
     so chunks run in parallel threads), then CRC-32 of the chunk CRCs. Orbax restores flipped
@@ -508,8 +514,7 @@ def _read_leaves_here(entry: Path, group: str, state_dir: Path,
     direct = ocdbt_reader.direct_reads(state_dir, target)
     for k, d in direct.items():         # checked before any buffer is made
         _check_leaf(entry, group, k, d.dtype, d.shape, target[k])
-    in_file_order = sorted(direct, key=lambda k: (str(direct[k].pieces[0][0]), direct[k].pieces[0][1]))
-    host = {k: ocdbt_reader.read_leaf(direct[k]) for k in in_file_order}
+    host = ocdbt_reader.read_leaves(direct, _read_pool())
     writes = []
     try:
         for k, t in target.items():
