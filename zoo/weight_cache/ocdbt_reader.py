@@ -114,18 +114,18 @@ def _plan(state_dir: Path, entries: dict, k: str) -> DirectRead | None:
         return None
     shape, chunks, dtype = tuple(z.get("shape", ())), tuple(z.get("chunks", ())), _zarr_dtype(str(z.get("dtype")))
     if (z.get("zarr_format") != 2 or z.get("compressor") is not None or z.get("filters") is not None
-            or z.get("order") != "C" or dtype is None or len(chunks) != len(shape)
-            or chunks[1:] != shape[1:] or (shape and chunks[0] <= 0)):
+            or z.get("order") != "C" or dtype is None or len(chunks) != len(shape) or chunks[1:] != shape[1:]):
+        return None
+    rows, chunk_rows = (shape[0], chunks[0]) if shape else (1, 1)      # a 0-d leaf: one row, chunk "0"
+    if chunk_rows <= 0:
         return None
     sep = str(z.get("dimension_separator", "."))
     row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-    n_chunks = -(-shape[0] // chunks[0]) if shape else 1
+    stored = chunk_rows * row                                           # zarr2 stores edge chunks whole
     pieces, inline = [], []
-    for i in range(n_chunks):
-        key = f"{k}/" + (sep.join([str(i)] + ["0"] * (len(shape) - 1)) if shape else "0")
-        value = entries.get(key)
-        stored = chunks[0] * row if shape else dtype.itemsize           # zarr2 stores edge chunks whole
-        used = (min(chunks[0], shape[0] - i * chunks[0]) * row) if shape else stored
+    for i in range(-(-rows // chunk_rows)):
+        value = entries.get(f"{k}/" + sep.join([str(i)] + ["0"] * (len(shape) - 1)))
+        used = min(chunk_rows, rows - i * chunk_rows) * row
         if isinstance(value, bytes):
             if len(value) != stored:
                 return None
@@ -153,11 +153,12 @@ def direct_reads(state_dir: Path, keys) -> dict[str, DirectRead]:
     return {k: p for k, p in plans.items() if p is not None}
 
 
-def read_leaves(reads: dict[str, DirectRead], pool=None, drop: bool = False) -> dict[str, np.ndarray]:
+def read_leaves(reads: dict[str, DirectRead], pool=None) -> dict[str, np.ndarray]:
     """The leaves' arrays, each in a fresh aligned buffer, read in file order in parts of at most
     ``PART`` bytes spread over ``pool``'s threads where given (``os.preadv`` releases the GIL, and
     on 2 cores the page faults of the fresh buffers are half of a read's work: one thread was
-    slower than TensorStore's pool). ``drop``: the page cache's copy of the bytes read is dropped."""
+    slower than TensorStore's pool). The page cache's copy is left to the caller, which drops a
+    group's files once they are read (``store._drop_group_files``)."""
     host, parts = {}, []
     for k in sorted(reads, key=lambda k: (str(reads[k].pieces[0][0]), reads[k].pieces[0][1])):
         read = reads[k]
@@ -170,12 +171,12 @@ def read_leaves(reads: dict[str, DirectRead], pool=None, drop: bool = False) -> 
                 parts += [(path, offset + i, flat[at + i:at + min(nbytes, i + PART)]) for i in range(0, nbytes, PART)]
             at += nbytes
         host[k] = flat.view(read.dtype).reshape(read.shape)
-    run = (lambda p: read_into(p[0], p[1], p[2].size, drop, out=p[2]))      # noqa: E731
+    run = (lambda p: read_into(p[0], p[1], p[2].size, False, out=p[2]))      # noqa: E731
     for _ in (pool.map(run, parts) if pool is not None else map(run, parts)):
         pass
     return {k: host[k] for k in reads}
 
 
-def read_leaf(read: DirectRead, drop: bool = False) -> np.ndarray:
+def read_leaf(read: DirectRead) -> np.ndarray:
     """One leaf's array, in a fresh aligned buffer (``read_leaves``)."""
-    return read_leaves({"": read}, drop=drop)[""]
+    return read_leaves({"": read})[""]
