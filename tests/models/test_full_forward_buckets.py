@@ -26,20 +26,22 @@ def test_lengths_in_a_bucket_share_a_program_and_equal_the_exact_forward(name):
     model = zoo.load(name, dtype="float32")
     rng = np.random.default_rng(0)
     seq = rng.integers(1, model.config.vocab_size, size=(2, 47))
-    exact_logits = jax.jit(lambda s, i, m: _full_forward(model._graphdef, s, i, m))
-    exact_mtp = jax.jit(lambda s, i, m: _mtp_forward(model._graphdef, s, i, m))
+    mask = np.ones(seq.shape, bool)
+    mask[1, :5] = False                          # a left-padded row beside a full one
+    mtp_rows = mask[:, :-1] & mask[:, 1:]        # MTP row t: positions t and t + 1 present
     compiled = model._logits_fn._cache_size()
-    for n in (33, 40, 47):                       # one bucket: 48 positions
-        ids = seq[:, :n]
-        mask = np.ones(ids.shape, bool)
-        mask[1, :5] = False                      # a left-padded row beside a full one
-        got, hidden, mtp = (model.logits(ids, mask), model.hidden_states(ids, mask), model.mtp_logits(ids, mask))
-        want_logits, want_hidden = exact_logits(model._state, ids, mask)
-        want_mtp = exact_mtp(model._state, ids, mask)
-        assert got.shape == (2, n, model.config.vocab_size) and hidden.shape[:2] == (2, n)
-        assert mtp.shape == (2, n - 1, model.config.vocab_size)
-        mtp_rows = mask[:, :-1] & mask[:, 1:]                # MTP row t: positions t and t + 1 present
-        for a, b, m in ((got, want_logits, mask), (hidden, want_hidden, mask), (mtp, want_mtp, mtp_rows)):
-            a, b = a[m], np.asarray(b, np.float32)[m]
-            assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), (name, n)
+    runs = {n: (model.logits(seq[:, :n], mask[:, :n]), model.hidden_states(seq[:, :n], mask[:, :n]),
+                model.mtp_logits(seq[:, :n], mask[:, :n])) for n in (33, 40, 47)}     # one bucket: 48
     assert model._logits_fn._cache_size() == compiled + 1
+    n = 40                                       # against the forward at exactly n (its own program)
+    want_logits, want_hidden = jax.jit(lambda s, i, m: _full_forward(model._graphdef, s, i, m))(
+        model._state, seq[:, :n], mask[:, :n])
+    want_mtp = jax.jit(lambda s, i, m: _mtp_forward(model._graphdef, s, i, m))(model._state, seq[:, :n], mask[:, :n])
+    masks = (mask[:, :n], mask[:, :n], mtp_rows[:, :n - 1])
+    for got, want, m in zip(runs[n], (want_logits, want_hidden, want_mtp), masks):
+        want = np.asarray(want, np.float32)
+        assert got.shape == want.shape and np.abs(got[m] - want[m]).max() <= 1e-5 * np.abs(want[m]).max(), name
+    for n, got in runs.items():                  # every length: the longest run's first n positions
+        assert got[0].shape == (2, n, model.config.vocab_size) and got[2].shape == (2, n - 1, model.config.vocab_size)
+        for a, b, m in zip(got, runs[47], (mask[:, :n], mask[:, :n], mtp_rows[:, :n - 1])):
+            assert np.abs(a[m] - b[:, :a.shape[1]][m]).max() <= 1e-6 * np.abs(b).max(), (name, n)
