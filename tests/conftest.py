@@ -19,12 +19,13 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 
 def _pin_xdist_worker() -> None:
-    """Each xdist worker on a core of its own (worker i on the i-th allowed core, modulo their number),
-    and every process it starts on all of them again. With the two workers free to use both cores,
-    each process's XLA thread pools (run and compile) spread over both and contended with the other
-    worker's: the same two test files run by two processes at once took 57 s each unpinned and 45.5 s
-    each pinned (53 s of user CPU against 42.5). Processes a test starts (servers, multi-process
-    jobs, notebooks' kernels) are spawned with the whole set, as before. ``ZOO_TEST_PIN=0``: no pinning."""
+    """Each xdist worker on cores of its own (worker i of n on every n-th allowed core from the i-th:
+    on 2 cores and 2 workers, one core each), and every process it starts on all of them again. With
+    both workers free to use both cores, each process's XLA thread pools (run and compile) spread over
+    both and contended with the other worker's: the same two test files run by two processes at once
+    took 57 s each unpinned and 45.5 s each pinned (53 s of user CPU against 42.5). Processes a test
+    starts (servers, multi-process jobs, notebooks' kernels) are spawned with the whole set, as before.
+    ``ZOO_TEST_PIN=0``: no pinning."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if (not worker.startswith("gw") or count < 2 or os.environ.get("ZOO_TEST_PIN") == "0"
             or not hasattr(os, "sched_setaffinity")):
@@ -32,7 +33,8 @@ def _pin_xdist_worker() -> None:
     every = sorted(os.sched_getaffinity(0))
     if len(every) < 2:
         return
-    own = {every[int(worker[2:]) % len(every)]}
+    i = int(worker[2:])
+    own = set(every[i::count]) if i < len(every) else {every[i % len(every)]}     # a share of the cores each
     os.sched_setaffinity(0, own)      # this thread, and every thread it starts from now on (XLA's pools)
 
     import subprocess
