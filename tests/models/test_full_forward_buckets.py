@@ -29,6 +29,7 @@ def test_lengths_in_a_bucket_share_a_program_and_equal_the_exact_forward(name):
     mask = np.ones(seq.shape, bool)
     mask[1, :5] = False                          # a left-padded row beside a full one
     mtp_rows = mask[:, :-1] & mask[:, 1:]        # MTP row t: positions t and t + 1 present
+    present = lambda n: (mask[:, :n], mask[:, :n], mtp_rows[:, :n - 1])     # noqa: E731  (logits, hidden, MTP)
     compiled = model._logits_fn._cache_size()
     runs = {n: (model.logits(seq[:, :n], mask[:, :n]), model.hidden_states(seq[:, :n], mask[:, :n]),
                 model.mtp_logits(seq[:, :n], mask[:, :n])) for n in (33, 40, 47)}     # one bucket: 48
@@ -37,11 +38,10 @@ def test_lengths_in_a_bucket_share_a_program_and_equal_the_exact_forward(name):
     want_logits, want_hidden = jax.jit(lambda s, i, m: _full_forward(model._graphdef, s, i, m))(
         model._state, seq[:, :n], mask[:, :n])
     want_mtp = jax.jit(lambda s, i, m: _mtp_forward(model._graphdef, s, i, m))(model._state, seq[:, :n], mask[:, :n])
-    masks = (mask[:, :n], mask[:, :n], mtp_rows[:, :n - 1])
-    for got, want, m in zip(runs[n], (want_logits, want_hidden, want_mtp), masks):
+    for got, want, m in zip(runs[n], (want_logits, want_hidden, want_mtp), present(n)):
         want = np.asarray(want, np.float32)
         assert got.shape == want.shape and np.abs(got[m] - want[m]).max() <= 1e-5 * np.abs(want[m]).max(), name
     for n, got in runs.items():                  # every length: the longest run's first n positions
         assert got[0].shape == (2, n, model.config.vocab_size) and got[2].shape == (2, n - 1, model.config.vocab_size)
-        for a, b, m in zip(got, runs[47], (mask[:, :n], mask[:, :n], mtp_rows[:, :n - 1])):
+        for a, b, m in zip(got, runs[47], present(n)):
             assert np.abs(a[m] - b[:, :a.shape[1]][m]).max() <= 1e-6 * np.abs(b).max(), (name, n)
