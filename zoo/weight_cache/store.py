@@ -664,8 +664,11 @@ def restore(entry: Path, mesh=None, dtype=None):
         if bad is not None:
             raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
                              f"at leaf {bad} (corrupted cache)")
-        restored[group] = {k: jax.device_put(a, target[k].sharding) if isinstance(a, np.ndarray) else a
-                           for k, a in arrays.items()}
+        # without a mesh the leaves go to the default device uncommitted, as a load from the sources
+        # places them: a committed copy would make every program of the model another program (its
+        # arguments' shardings are part of what is compiled) than the loaded model's
+        restored[group] = {k: (jax.device_put(a) if mesh is None else jax.device_put(a, target[k].sharding))
+                           if isinstance(a, np.ndarray) else a for k, a in arrays.items()}
         del arrays
     for path, rec in manifest["params"].items():
         leaves = [restored[rec["group"]][str(rec["first"] + i)] for i in range(len(rec["leaves"]))]

@@ -132,6 +132,10 @@ class Glm53(CausalLM):
     """The GLM-5.3-Flash causal LM with its optional MTP layer and vision tower."""
 
     def __init__(self, cfg: Glm53Config, *, dtype=jnp.bfloat16):
+        # one form of the dtype (jnp.bfloat16 and np.dtype("bfloat16") are equal but hash apart): the
+        # module's graph, which keys its compiled programs, is then equal and hashes equal however the
+        # dtype was given (a load from the sources and a cache restore share programs)
+        dtype = jnp.dtype(dtype)
         self.config = cfg
         self.dtype = dtype
         d = cfg.hidden_size

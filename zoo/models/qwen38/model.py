@@ -77,6 +77,10 @@ class Qwen38(CausalLM):
     """The Qwen3.8 causal LM with its optional MTP head and optional vision tower (``visual``)."""
 
     def __init__(self, cfg: Qwen38Config, *, dtype=jnp.bfloat16):
+        # one form of the dtype (jnp.bfloat16 and np.dtype("bfloat16") are equal but hash apart): the
+        # module's graph, which keys its compiled programs, is then equal and hashes equal however the
+        # dtype was given (a load from the sources and a cache restore share programs)
+        dtype = jnp.dtype(dtype)
         if cfg.vision is not None and cfg.vision.out_hidden_size != cfg.hidden_size:
             raise ValueError(f"the vision tower's out_hidden_size {cfg.vision.out_hidden_size} is not the text "
                              f"model's hidden_size {cfg.hidden_size}")
