@@ -28,9 +28,10 @@ import pytest
 OUT = os.environ.get("ZOO_CENSUS_DIR", "/tmp/zoo-census")
 FINISHED = re.compile(r"Finished XLA compilation of jit\((.+?)\) in ([\d.e-]+) sec")
 HIT = re.compile(r"Persistent compilation cache hit for 'jit_(.+?)'")
+MISS = re.compile(r"PERSISTENT COMPILATION CACHE MISS for 'jit_(.+?)' with key '(.+?)'")
 
-_current = {"test": None}
-_compiles: list[tuple] = []          # (test, program, seconds, cache hit)
+_current = {"test": None, "key": None}
+_compiles: list[tuple] = []          # (test, program, seconds, cache hit, persistent-cache key or None)
 _generators: list[dict] = []
 
 
@@ -38,9 +39,12 @@ class _Compiles(logging.Handler):
     def emit(self, record):
         message = record.getMessage()
         if m := FINISHED.match(message):
-            _compiles.append((_current["test"], m[1], float(m[2]), False))
+            _compiles.append((_current["test"], m[1], float(m[2]), False, _current["key"]))
+            _current["key"] = None
         elif m := HIT.match(message):
-            _compiles.append((_current["test"], m[1], 0.0, True))
+            _compiles.append((_current["test"], m[1], 0.0, True, None))
+        elif m := MISS.match(message):           # logged before the compilation it keys
+            _current["key"] = m[2]
 
 
 def _runs_tests(config) -> bool:
@@ -58,6 +62,8 @@ def pytest_configure(config):
     jax.config.update("jax_log_compiles", True)
     handler = _Compiles(logging.DEBUG)
     logging.getLogger("jax").addHandler(handler)
+    # the persistent cache's key of each compilation (a debug message): equal keys are the same program
+    logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
     built = generator.Generator.__init__
 
     def recorded(self, model, **kw):
@@ -100,13 +106,22 @@ def summary(directory: str = OUT) -> str:
     out = [f"{len(compiles)} compilations ({sum(c[3] for c in compiles)} persistent-cache hits), "
            f"{sum(c[2] for c in compiles):.0f} s of XLA; {len(generators)} generators"]
     by = collections.defaultdict(lambda: [0, 0.0])
-    for _, program, seconds, _ in compiles:
+    for _, program, seconds, *_ in compiles:
         by[program][0] += 1
         by[program][1] += seconds
     out.append("\nby program (compilations, seconds), the 15 largest:")
     out += [f"  {s:7.1f} s {n:5d}  {p}" for p, (n, s) in sorted(by.items(), key=lambda x: -x[1][1])[:15]]
+    keyed = collections.defaultdict(list)
+    for test, program, seconds, _, *key in compiles:
+        if key and key[0]:
+            keyed[key[0]].append((seconds, program, _file(test)))
+    again = [(sum(s for s, *_ in v[1:]), len(v) - 1, v[0][1], sorted({f for *_, f in v})) for v in keyed.values()
+             if len(v) > 1]
+    out.append(f"\nthe same program compiled again (equal persistent-cache keys): {sum(a[1] for a in again)} "
+               f"compilations, {sum(a[0] for a in again):.0f} s; the 15 largest:")
+    out += [f"  {s:7.1f} s {n:5d}  {p}  {', '.join(fs)[:150]}" for s, n, p, fs in sorted(again, reverse=True)[:15]]
     files = collections.Counter()
-    for test, _, seconds, _ in compiles:
+    for test, _, seconds, *_ in compiles:
         files[_file(test)] += seconds
     out.append("\nby test file (seconds), the 25 largest:")
     out += [f"  {s:7.1f} s  {f}" for f, s in files.most_common(25)]
