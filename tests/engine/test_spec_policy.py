@@ -163,7 +163,7 @@ def second_turn(model, question: str = "What is 12+35?") -> list[int]:
     its new answer repeats spans of the first (what prompt lookup finds)."""
     tok = model.tokenizer
     first = [{"role": "user", "content": question}]
-    answer = Generator(model, max_batch=1, prefix_cache=0).generate(
+    answer = Generator(model, max_batch=4, prefix_cache=0).generate(      # the plain generator's shape below
         [tok.encode(tok.apply_chat_template(first))], max_new_tokens=60)[0]
     chat = first + [{"role": "assistant", "content": tok.decode(answer.tokens)}, {"role": "user", "content": question}]
     return tok.encode(tok.apply_chat_template(chat))
