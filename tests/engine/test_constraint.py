@@ -221,7 +221,8 @@ def test_choices_share_one_compile_and_walk_independently(model, vocab):
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_constrained_decoding_always_valid(model, k):
-    gen = Generator(model, spec_tokens=k, spec_policy="fixed", max_batch=8)
+    # 4 rows: the two prompts' two choices at once (the other tests' shape: their programs)
+    gen = Generator(model, spec_tokens=k, spec_policy="fixed", max_batch=4)
     g = OutputGrammar(G.json_schema(SCHEMA, strict=True))
     outs = []
     for seed in range(4):
@@ -258,7 +259,7 @@ def test_split_step_with_all_allowed_masks_is_the_fused_step(model, k):
 
 
 def test_forks_prefill_once_and_follow_their_seed_streams(model):
-    gen = Generator(model, max_batch=8)
+    gen = Generator(model, max_batch=4)
     before = gen.prefills
     forked = gen.generate([PROMPT], max_new_tokens=10, temperature=1.0, seed=11, n=3)
     assert gen.prefills == before + 1 and len(forked) == 3

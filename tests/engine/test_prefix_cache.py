@@ -104,7 +104,7 @@ def test_shared_prefix_hits_at_a_block_boundary_and_sampling_matches(models, whi
 def test_a_batch_where_some_rows_hit_and_others_miss(models, which, k):
     model = models[which]
     base = [words(20 + i, 40 + 9 * i) for i in range(3)]
-    gen = cached(model, k, max_batch=8)
+    gen = cached(model, k)                                        # the uncached generator's rows: its programs
     gen.generate(base[:2], max_new_tokens=4)                      # warm: two of the three prefixes
     prompts = [base[0] + words(30, 12), base[2] + words(31, 7), base[1] + words(32, 20), words(33, 50)]
     got = gen.generate(prompts, max_new_tokens=NEW, logprobs=3)

@@ -71,7 +71,9 @@ def test_spec_greedy_equals_plain_greedy(models, plain_runs, which, k):
 def test_streams_joining_and_leaving_match_solo_runs(models, plain_runs, name, k):
     which = name + "/bigram"
     alone = {i: g.tokens for i, g in enumerate(plain_runs[which])}
-    gen = Generator(models[which], spec_tokens=k, spec_policy="fixed", max_batch=3)   # stream 3 takes stream 1's row
+    # the default 16 rows (the programs of the runs above); stream 3 takes the lowest free row: one that
+    # an earlier stream left, not a fourth
+    gen = Generator(models[which], spec_tokens=k, spec_policy="fixed")
     lengths = [N_NEW, 5, N_NEW, 9]
     reqs = {0: gen.submit(gen.make_request(PROMPTS[0], max_new_tokens=lengths[0]))}
     for _ in range(3):
@@ -82,9 +84,10 @@ def test_streams_joining_and_leaving_match_solo_runs(models, plain_runs, name, k
     for _ in range(4):   # request 1 finishes in here and leaves; 3 joins into its freed row
         gen.step()
     reqs[3] = gen.submit(gen.make_request(PROMPTS[3], max_new_tokens=lengths[3]))
+    gen.step()
+    assert reqs[3] in gen._rows[:3] and not any(gen._rows[3:]), gen._rows    # a row an earlier stream left
     while gen.has_work():
         gen.step()
-    assert len(gen._rows) == gen.rows == 3
     for i, r in reqs.items():
         assert r.tokens == alone[i][:lengths[i]], f"stream {i}"
 
