@@ -97,7 +97,8 @@ def test_followers_narrow_the_prefill_pieces_the_leader_does(model):
     pieces from the leader's timings (here a table that makes every piece narrow); the follower, whose
     own timings differ, loads the leader's table with each plan and runs the same pieces: the same
     prefill tokens at every step, and the same outputs."""
-    make = lambda: Generator(model, max_batch=4, context=512, prefill_chunk=64, prefix_cache=0,   # noqa: E731
+    # test_interleave's shape (4 rows, 1024 tokens, pieces of 64): its programs
+    make = lambda: Generator(model, max_batch=4, context=1024, prefill_chunk=64, prefix_cache=0,   # noqa: E731
                              interleave_ratio=3.0)
     leader_gen, follower_gen = make(), make()
     # two 16-token pieces per step (the follower's own timings of this tiny model allow one or none)

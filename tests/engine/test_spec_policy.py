@@ -244,7 +244,8 @@ def test_auto_constrained_row_equals_plain_greedy(models):
         while not all(r.done.is_set() for r in reqs):
             gen.step()
         return [r.tokens for r in reqs]
-    plain = run(Generator(model, max_batch=2, prefix_cache=0))
-    auto = Generator(model, spec_tokens=K, spec_policy="auto", max_batch=2, prefix_cache=0)
+    # 4 rows: the shape of the test above and of test_constraint's (their programs, the masked ones too)
+    plain = run(Generator(model, max_batch=4, prefix_cache=0))
+    auto = Generator(model, spec_tokens=K, spec_policy="auto", max_batch=4, prefix_cache=0)
     assert run(auto) == plain
     assert sum(auto.spec_policy.chosen.values()) > 0
