@@ -30,7 +30,7 @@ from zoo.engine.generator import Generator
 from zoo.engine.step_programs import shared
 from zoo.loader.abstract import abstract_load
 from zoo.loader.fill import fill_from_source
-from zoo.loader.open import DTYPES, check_recipe, dtype_of, open_checkpoint, resolve
+from zoo.loader.open import check_recipe, dtype_of, open_checkpoint, resolve
 from zoo.loader.overlay import apply_overlay, read_overlay
 from zoo.models.architectures import architecture
 from zoo.sharding.cache_axes import shard_cache
@@ -113,7 +113,7 @@ def _load_weights(name_or_path, quant: str | None, mesh, cache, dtype_name: str,
     t_resolve = time.perf_counter()
     source, cfg, name_map, tokenizer, store, fmt = open_checkpoint(ckpt, quant, dtype_name, vision, mmproj)
     model_class = architecture(cfg.arch).model_class()
-    abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES.get(dtype_name) or jnp.dtype(dtype_name)))
+    abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=dtype_name))
     module, unused = fill_from_source(abstract, source, name_map, store, mesh=mesh)
     t_fill = time.perf_counter()
     info = {"source": "source", "format": fmt, "path": str(ckpt), "dtype": dtype_name, "quant": quant,

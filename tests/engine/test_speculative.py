@@ -81,7 +81,7 @@ def test_streams_joining_and_leaving_match_solo_runs(models, plain_runs, name, k
     reqs[1] = gen.submit(gen.make_request(PROMPTS[1], max_new_tokens=lengths[1]))
     gen.step()
     reqs[2] = gen.submit(gen.make_request(PROMPTS[2], max_new_tokens=lengths[2]))
-    for _ in range(4):   # request 1 finishes in here and leaves; 3 joins into its freed row
+    for _ in range(4):   # request 1 finishes in here and leaves; 3 joins a freed row
         gen.step()
     reqs[3] = gen.submit(gen.make_request(PROMPTS[3], max_new_tokens=lengths[3]))
     gen.step()

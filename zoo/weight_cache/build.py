@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zoo.loader.fill import fill_from_source
-from zoo.loader.open import DTYPES, check_recipe, dtype_of, open_checkpoint, resolve
+from zoo.loader.open import check_recipe, dtype_of, open_checkpoint, resolve
 from zoo.models.architectures import architecture
 from zoo.weight_cache import store
 
@@ -119,7 +119,7 @@ def build(name_or_path: str | Path, *, quant: str | None = None, dtype="bfloat16
     ckpt = resolve(name_or_path)
     source, cfg, name_map, tokenizer, storage, _ = open_checkpoint(ckpt, quant, dtype_name, vision, mmproj)
     model_class = architecture(cfg.arch).model_class()
-    abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=DTYPES.get(dtype_name) or jnp.dtype(dtype_name)))
+    abstract = nnx.eval_shape(lambda: model_class(cfg, dtype=dtype_name))
     members: dict[str, list[str]] = {}
     for path, _ in nnx.to_flat_state(nnx.state(abstract)):
         dotted = ".".join(map(str, path))

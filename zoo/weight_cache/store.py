@@ -667,7 +667,7 @@ def restore(entry: Path, mesh=None, dtype=None):
         # without a mesh the leaves go to the default device uncommitted, as a load from the sources
         # places them: a committed copy would make every program of the model another program (its
         # arguments' shardings are part of what is compiled) than the loaded model's
-        restored[group] = {k: (jax.device_put(a) if mesh is None else jax.device_put(a, target[k].sharding))
+        restored[group] = {k: jax.device_put(a, None if mesh is None else target[k].sharding)
                            if isinstance(a, np.ndarray) else a for k, a in arrays.items()}
         del arrays
     for path, rec in manifest["params"].items():

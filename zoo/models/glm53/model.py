@@ -54,7 +54,7 @@ from zoo.models.glm53.moe import MoE
 from zoo.models.glm53.multimodal import MMInputs
 from zoo.models.glm53.vision import VisionTower
 from zoo.models.shared.cache import ModelCache, MTPCache
-from zoo.models.shared.causal_lm import CausalLM
+from zoo.models.shared.causal_lm import CausalLM, graph_dtype
 from zoo.models.shared.layers import Embed, Linear, RMSNorm, SwiGLU
 from zoo.models.shared.mtp import MTPHead
 
@@ -132,10 +132,7 @@ class Glm53(CausalLM):
     """The GLM-5.3-Flash causal LM with its optional MTP layer and vision tower."""
 
     def __init__(self, cfg: Glm53Config, *, dtype=jnp.bfloat16):
-        # one form of the dtype (jnp.bfloat16 and np.dtype("bfloat16") are equal but hash apart): the
-        # module's graph, which keys its compiled programs, is then equal and hashes equal however the
-        # dtype was given (a load from the sources and a cache restore share programs)
-        dtype = jnp.dtype(dtype)
+        dtype = graph_dtype(dtype)
         self.config = cfg
         self.dtype = dtype
         d = cfg.hidden_size

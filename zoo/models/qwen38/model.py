@@ -38,7 +38,7 @@ from zoo.models.qwen38.gated_deltanet import GatedDeltaNet
 from zoo.models.qwen38.multimodal import MMInputs
 from zoo.models.qwen38.vision import VisionTower
 from zoo.models.shared.cache import ModelCache
-from zoo.models.shared.causal_lm import CausalLM
+from zoo.models.shared.causal_lm import CausalLM, graph_dtype
 from zoo.models.shared.layers import Embed, Linear, RMSNorm, SwiGLU, multi_axis_rotary_tables, rotary_tables
 from zoo.models.shared.mtp import MTPHead
 
@@ -77,10 +77,7 @@ class Qwen38(CausalLM):
     """The Qwen3.8 causal LM with its optional MTP head and optional vision tower (``visual``)."""
 
     def __init__(self, cfg: Qwen38Config, *, dtype=jnp.bfloat16):
-        # one form of the dtype (jnp.bfloat16 and np.dtype("bfloat16") are equal but hash apart): the
-        # module's graph, which keys its compiled programs, is then equal and hashes equal however the
-        # dtype was given (a load from the sources and a cache restore share programs)
-        dtype = jnp.dtype(dtype)
+        dtype = graph_dtype(dtype)
         if cfg.vision is not None and cfg.vision.out_hidden_size != cfg.hidden_size:
             raise ValueError(f"the vision tower's out_hidden_size {cfg.vision.out_hidden_size} is not the text "
                              f"model's hidden_size {cfg.hidden_size}")

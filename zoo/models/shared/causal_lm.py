@@ -20,6 +20,13 @@ from zoo.models.shared.cache import ModelCache, MTPCache
 from zoo.ops.matmul import matmul
 
 
+def graph_dtype(dtype):
+    """The one form a model keeps its dtype in (``np.dtype``): ``jnp.bfloat16`` and
+    ``np.dtype("bfloat16")`` are equal but hash apart, and the module's graph keys its compiled
+    programs, so a model built with either (a load from the sources, a cache restore) shares them."""
+    return jnp.dtype(dtype)
+
+
 class CausalLM(nnx.Module):
     """Base of ``Qwen38`` and ``Glm53``: ``embed_tokens``, ``layers`` (each with ``init_cache`` and
     ``select_step``), ``lm_head`` (None when tied), ``mtp`` (an ``MTPHead`` or None), ``dtype``."""
