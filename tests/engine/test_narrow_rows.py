@@ -4,9 +4,11 @@ whose decoding rows all lie below N runs on those N rows instead of the whole ba
 Three requests of different lengths (rows 0, 1, 2 of a 4-row batch, N = 2): once the third ends, the
 first two step on the narrow programs, which read and write the batch's slot buffers in place (Qwen
 with MTP drafts under the auto policy, whose "off" step has a narrow twin too, over blocks of slots;
-GLM plain over the whole window). Their tokens equal the engine without them, token for token; logprobs
-agree to float32 rounding (other matmul shapes sum in other orders). A warmed engine compiles
-nothing while it switches between the widths. ``narrow_width``'s defaults and bad values.
+GLM plain over the whole window). In the other order the first ends first, and the third moves from
+row 2 into row 0 (row compaction, ``Generator._compact``), so the two left step on the narrow
+programs. Their tokens equal the engine without them, token for token; logprobs agree to float32
+rounding (other matmul shapes sum in other orders). A warmed engine compiles nothing while it
+switches between the widths and moves rows. ``narrow_width``'s defaults and bad values.
 """
 
 from __future__ import annotations
@@ -26,11 +28,18 @@ QUESTIONS = ["What is 123 + 456?", "Spell the word 'banana'.", "What's the weath
 LENGTHS = [20, 12, 3]
 
 
-def run(gen: Generator, prompts) -> list:
-    reqs = [gen.submit(gen.make_request(p, max_new_tokens=n, logprobs=0)) for p, n in zip(prompts, LENGTHS)]
+def run(gen: Generator, prompts, lengths=LENGTHS) -> list:
+    reqs = [gen.submit(gen.make_request(p, max_new_tokens=n, logprobs=0)) for p, n in zip(prompts, lengths)]
     while not all(r.done.is_set() for r in reqs):
         gen.step()
     return [(r.tokens, np.array([t.logprob for t in r.token_logprobs])) for r in reqs]
+
+
+def steps_of(gen: Generator, prompts, lengths) -> tuple[list, int, int, int]:
+    """``run``'s results, and the decode steps, narrow steps and row moves it took."""
+    before = gen.steps, gen.narrow_steps, gen.moved_rows
+    out = run(gen, prompts, lengths)
+    return (out,) + tuple(after - b for after, b in zip((gen.steps, gen.narrow_steps, gen.moved_rows), before))
 
 
 # Qwen with MTP drafts (both narrow programs of the auto policy) over blocks of 256 slots; GLM plain over
@@ -43,17 +52,23 @@ def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm
     kw = {"spec_tokens": spec, "spec_policy": "auto"} if spec else {}
     whole = Generator(model, max_batch=4, context=context, prefix_cache=0, **kw)
     want = run(whole, prompts)
-    assert whole.narrow_steps == 0 and whole.narrow_rows == 0
+    want_reversed = run(whole, prompts, LENGTHS[::-1])
+    assert whole.narrow_steps == 0 and whole.narrow_rows == 0 and whole.moved_rows == 0
     narrow = Generator(model, max_batch=4, context=context, prefix_cache=0, narrow_rows=2, **kw)
     names = [name for name, _, _ in narrow.program_set()]
     assert sum("on rows 0..1" in n for n in names) == (2 if spec else 1), names
-    narrow.warmup()
+    assert [name for name, _ in narrow.warmup()].count("move a row") == 1
     with CompileCounter() as counter:
-        got = run(narrow, prompts)
+        got, steps, narrow_steps, moved = steps_of(narrow, prompts, LENGTHS)
+        got_reversed, steps_r, narrow_r, moved_r = steps_of(narrow, prompts, LENGTHS[::-1])
     assert counter.compiled == 0
-    # rows 0 and 1 ran alone after row 2's 3 tokens: those steps were narrow, the first ones were not
-    assert 0 < narrow.narrow_steps < narrow.steps
-    for (tokens, lp), (want_tokens, want_lp) in zip(got, want):
+    # rows 0 and 1 ran alone after row 2's 3 tokens: those steps were narrow, the first ones were not;
+    # nothing moved (no decoding row past row 1 once the narrow steps could start)
+    assert 0 < narrow_steps < steps and moved == 0
+    # the other order: row 0's 3 tokens end first, then row 2 (20 tokens) moves into row 0 and every
+    # later step is narrow; without the move rows 1 and 2 would have stepped at full width to the end
+    assert moved_r == 1 and 0 < narrow_r < steps_r and steps_r - narrow_r == steps - narrow_steps
+    for (tokens, lp), (want_tokens, want_lp) in zip(got + got_reversed, want + want_reversed):
         assert tokens == want_tokens
         np.testing.assert_allclose(lp, want_lp, rtol=1e-4, atol=1e-5)
     assert any(program.endswith(" narrow") for program in narrow._ran), narrow._ran

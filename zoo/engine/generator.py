@@ -144,10 +144,13 @@ class Generator(ProgramSet, Admission):
         last digits (~1e-5), so outputs are reproducible run to run only with None.
         ``narrow_rows``: a second width of the decode programs (``step_programs.decode_narrow``): a step
         whose decoding rows all lie below it runs on that many rows instead of all of them (0: none;
-        None: ``rows.narrow_width``'s default, a quarter of the rows on a CPU without a mesh). Its
-        tokens equal the whole batch's step's; logprobs may differ in float32's last digits (~1e-6:
-        other matmul shapes sum in other orders). ``prefill_small``: the small prefill width, a power of
-        two from ``PREFILL_MIN`` to the chunk (None: ``fill.small_width``'s default for the device)."""
+        None: ``rows.narrow_width``'s default, a quarter of the rows on a CPU without a mesh). Rows are
+        compacted for it (``_compact``): when the decoding rows past it fit the free rows below it, they
+        move there (``rows.move_row``), so a stream left in a high row by streams that finished does
+        not keep every step at full width. Its tokens equal the whole batch's step's; logprobs may differ
+        in float32's last digits (~1e-6: other matmul shapes sum in other orders). ``prefill_small``:
+        the small prefill width, a power of two from ``PREFILL_MIN`` to the chunk (None:
+        ``fill.small_width``'s default for the device)."""
         if spec_tokens and getattr(model.module, "mtp", None) is None:
             raise ValueError("speculative decoding needs an MTP layer; this model has none")
         self.model = model
@@ -199,10 +202,11 @@ class Generator(ProgramSet, Admission):
         self._narrow_off_fn = narrow("decode off narrow") if self.narrow_rows and self.drafts_off else None
         self._prefill_fn = shared_program("prefill", self._graphdef, self.k, mesh)
         self._place_fn = shared_program("place", None, self.k, mesh)
+        self._move_fn = shared_program("move", None, 0, mesh) if self.narrow_rows else None
         self._empty_fn = functools.partial(shared_program("empty", self._graphdef, self.k, mesh), self._state)
         self._first_fn = shared_program("first", None, 0, mesh)
         for name in ("_step_fn", "_step_off_fn", "_narrow_fn", "_narrow_off_fn", "_prefill_fn", "_place_fn",
-                     "_empty_fn", "_first_fn"):
+                     "_move_fn", "_empty_fn", "_first_fn"):
             if getattr(self, name) is not None:
                 setattr(self, name, on_mesh(getattr(self, name), mesh))   # sharded model
         self._masked = shared_masked_programs(self._graphdef, self.k, mesh)
@@ -216,6 +220,7 @@ class Generator(ProgramSet, Admission):
         self.prefill_tokens = 0                             # prefill piece widths run (padding included)
         self.steps = 0                                      # decode steps run
         self.narrow_steps = 0                               # of which on the narrow programs' rows
+        self.moved_rows = 0                                 # requests moved below the narrow width
         self.faults = {"failed_requests": 0, "failed_steps": 0, "last_error": None}   # see ``step``
         self.on_step_failure = None     # called with the error before a failed step fails its requests
 
@@ -356,6 +361,8 @@ class Generator(ProgramSet, Admission):
         active = self._decoding()
         if not active.any():
             return bool(self._waiting) or self._fill is not None
+        if self.narrow_rows and active[self.narrow_rows:].any():
+            self._compact(active)
         constrained = self._constrained(active)
         if constrained:
             late = self.mask_schedule.late(constrained, others=len(constrained) < active.sum())
@@ -411,6 +418,23 @@ class Generator(ProgramSet, Admission):
                 self._fail(req, e)
         self.mask_schedule.prefetch(self._constrained(self._decoding()).values())    # the next step's masks
         return True
+
+    def _compact(self, active: np.ndarray) -> None:
+        """Move the decoding rows at or past ``narrow_rows`` into the free rows below it, when all of
+        them fit there (``active`` [B] is updated): the steps then run the narrow programs. A row being
+        prefilled stays where it is (its prefill is placed there), and so does every row when some
+        would be left above the width (a move would not narrow the step). Each move copies one row's
+        state on the device (``rows.move_row``); the request's tokens are those it would have had."""
+        w = self.narrow_rows
+        high = [r for r in range(w, self._B) if active[r]]
+        free = [r for r in range(w) if self._rows[r] is None]
+        if len(high) > len(free):
+            return
+        for src, dst in zip(high, free):
+            self._batch = self._move_fn(self._batch, np.int32(src), np.int32(dst))
+            self._rows[dst], self._rows[src] = self._rows[src], None
+            active[dst], active[src] = True, False
+            self.moved_rows += 1
 
     def _constrained(self, active: np.ndarray) -> dict:
         """Row -> constraint of the ``active`` rows whose next token is masked (running, constrained,

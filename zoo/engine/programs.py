@@ -156,15 +156,16 @@ class ProgramSet:
 
     def warmup(self, progress=None) -> list[tuple[str, float]]:
         """Compile every program a request can run (the ``program_set`` and the small ones around it:
-        the empty batch and row, the first token, placing a row, the prefix cache's copies; with a
-        vision tower its programs, ``ImagePrefill.warmup``) by
+        the empty batch and row, the first token, placing a row, moving one (with narrow rows), the prefix
+        cache's copies; with a vision tower its programs, ``ImagePrefill.warmup``) by
         running each once on zeros, through the same calls requests make; afterwards no request
         compiles anything. ``progress(name, seconds, done, total)`` after each. Returns (name,
         seconds) per program. The batch is left empty."""
         timings: list[tuple[str, float]] = []
         images = [] if self._images is None else self._images.warmup_names(self.prefill_widths)
         decodes = (1 + self.drafts_off) * (1 + bool(self.narrow_rows))      # each width, drafting on and off
-        total = len(self.prefill_widths) + 2 + decodes + (self.prefix is not None) + len(images)
+        total = (len(self.prefill_widths) + 2 + decodes + bool(self.narrow_rows) + (self.prefix is not None)
+                 + len(images))
 
         def timed(name, fn):
             t0 = time.perf_counter()
@@ -193,6 +194,11 @@ class ProgramSet:
             self._batch = self._place_fn(self._batch, cache, first, h_last, params, np.int32(0))
             return self._batch
         timed("first token + place", first_and_place)
+        if self.narrow_rows:                     # row compaction (``Generator._compact``)
+            def move():
+                self._batch = self._move_fn(self._batch, np.int32(0), np.int32(self._B - 1))
+                return self._batch
+            timed("move a row", move)
 
         none, force, cap = np.zeros(self._B, bool), np.full(self._B, -1, np.int32), np.ones(self._B, np.int32)
 

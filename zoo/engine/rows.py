@@ -4,6 +4,7 @@ budget of the caches, the first token of a prefilled request, placing it into a 
     default_memory_budget()                          bytes the caches may use
     first_token(logits [B, V], params, mask, want_lp) the token [B] after a prefill (-1: broken logits)
     place(batch, cache, first [1], h_last [1, D], params, r, k)   a prefilled request into row r
+    move_row(batch, src, dst)                        row src's state copied into row dst
     narrow_width(requested, rows, mesh) -> int       the narrow decode programs' rows (0: none)
     rows_of(x [w, ...], rows) -> [rows, ...]         a narrow step's per-row output, zero-padded
 """
@@ -70,6 +71,16 @@ def place(batch: dict, cache, first: jax.Array, h_last: jax.Array, params: dict,
         carry = {"tok": first}
     row = {"cache": cache, "carry": carry, "params": params}
     return jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x[0].astype(b.dtype), r, 0), batch, row)
+
+
+def move_row(batch: dict, src, dst) -> dict:
+    """``batch`` with row ``src``'s state (every leaf's entry on its leading rows axis: cache, carry,
+    sampling parameters) copied into row ``dst`` (int32 scalars, traced: one program for every pair).
+    A row's tokens do not depend on its index (its PRNG keys come from its seed and output positions),
+    so the request steps on from ``dst`` as it would have from ``src``; ``src`` keeps a stale copy,
+    which no step reads (a free row) and ``place`` overwrites."""
+    return jax.tree.map(lambda b: jax.lax.dynamic_update_index_in_dim(
+        b, jax.lax.dynamic_index_in_dim(b, src, 0, keepdims=False), dst, 0), batch)
 
 
 def first_token(logits: jax.Array, params: dict, mask: jax.Array, want_lp: jax.Array):

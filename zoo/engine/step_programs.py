@@ -33,7 +33,7 @@ from zoo.engine import speculative
 from zoo.engine.flat_state import as_state
 from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.masked_step import MaskedPrograms, pick_next
-from zoo.engine.rows import first_token, place
+from zoo.engine.rows import first_token, move_row, place
 from zoo.engine.sampling import flag_nonfinite, position_keys
 from zoo.sharding.cache_axes import map_with_axes, shard_cache
 
@@ -73,8 +73,8 @@ def shared_program(kind: str, graphdef, k: int, mesh=None, width: int = 0):
     """The jitted ``kind`` program of this configuration ("prefill": ``prefill_piece`` with its one-row
     cache donated; "decode": ``decode_step`` with the batch donated; "decode off": the same with
     drafting off; "decode narrow", "decode off narrow": those on the batch's first ``width`` rows
-    (``decode_narrow``); the small ones, ``_jitted``: "empty", "place", "first", whose graphdef may
-    be None where they do not read the model), one per (kind, graphdef, k, mesh, width) in the process."""
+    (``decode_narrow``); the small ones, ``_jitted``: "empty", "place", "move", "first", whose graphdef
+    may be None where they do not read the model), one per (kind, graphdef, k, mesh, width) in the process."""
     return shared((kind, graphdef, int(k), mesh, int(width)), lambda: _jitted(kind, graphdef, int(k), int(width)))
 
 
@@ -99,11 +99,14 @@ DONATED = {"prefill": (6,), "decode": (1,), "decode off": (1,), "decode narrow":
 def _jitted(kind: str, graphdef, k: int, width: int = 0):
     """``kind`` jitted for (graphdef, k): the whole-model programs (``program_impl``, ``DONATED``) and
     the small ones around them: "empty" (``empty_batch`` of (state, rows, length), rows and length
-    static), "place" (``rows.place``, the batch donated), "first" (``rows.first_token``)."""
+    static), "place" (``rows.place``, the batch donated), "move" (``rows.move_row``, the batch donated),
+    "first" (``rows.first_token``)."""
     if kind == "empty":
         return jax.jit(functools.partial(empty_batch, graphdef, k), static_argnums=(1, 2))
     if kind == "place":
         return jax.jit(functools.partial(place, k=k), donate_argnums=(0,))
+    if kind == "move":
+        return jax.jit(move_row, donate_argnums=(0,))
     if kind == "first":
         return jax.jit(first_token)
     return jax.jit(functools.partial(program_impl(kind, width), graphdef, k), donate_argnums=DONATED[kind])
