@@ -7,8 +7,10 @@ with MTP drafts under the auto policy, whose "off" step has a narrow twin too, o
 GLM plain over the whole window). In the other order the first ends first, and the third moves from
 row 2 into row 0 (row compaction, ``Generator._compact``), so the two left step on the narrow
 programs. Their tokens equal the engine without them, token for token; logprobs agree to float32
-rounding (other matmul shapes sum in other orders). A warmed engine compiles nothing while it
-switches between the widths and moves rows. ``narrow_width``'s defaults and bad values.
+rounding (other matmul shapes sum in other orders). A request with an output grammar steps on the
+narrow rows too (the step split around its token masks, ``masked_step``, on the first N rows). A
+warmed engine compiles nothing while it switches between the widths and moves rows.
+``narrow_width``'s defaults and bad values.
 """
 
 from __future__ import annotations
@@ -19,26 +21,33 @@ import pytest
 
 import zoo
 from zoo.engine.compile_cache import CompileCounter
+from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
 from zoo.engine.rows import narrow_width
 from zoo.models.shared.filled_blocks import first_rows, read_block
 from zoo.models.shared.kv_slots import write_slots
+from zoo.server import grammar as G
 
 QUESTIONS = ["What is 123 + 456?", "Spell the word 'banana'.", "What's the weather in Paris?"]
 LENGTHS = [20, 12, 3]
 
 
-def run(gen: Generator, prompts, lengths=LENGTHS) -> list:
-    reqs = [gen.submit(gen.make_request(p, max_new_tokens=n, logprobs=0)) for p, n in zip(prompts, lengths)]
+ANSWER = OutputGrammar(G.json_schema({"type": "object", "properties": {"answer": {"type": "integer"}},
+                                      "required": ["answer"], "additionalProperties": False}, strict=True))
+
+
+def run(gen: Generator, prompts, lengths=LENGTHS, grammars=()) -> list:
+    reqs = [gen.submit(gen.make_request(p, max_new_tokens=n, logprobs=0, grammar=g))
+            for p, n, g in zip(prompts, lengths, list(grammars) + [None] * len(prompts))]
     while not all(r.done.is_set() for r in reqs):
         gen.step()
     return [(r.tokens, np.array([t.logprob for t in r.token_logprobs])) for r in reqs]
 
 
-def steps_of(gen: Generator, prompts, lengths) -> tuple[list, int, int, int]:
+def steps_of(gen: Generator, prompts, lengths, grammars=()) -> tuple[list, int, int, int]:
     """``run``'s results, and the decode steps, narrow steps and row moves it took."""
     before = gen.steps, gen.narrow_steps, gen.moved_rows
-    out = run(gen, prompts, lengths)
+    out = run(gen, prompts, lengths, grammars)
     return (out,) + tuple(after - b for after, b in zip((gen.steps, gen.narrow_steps, gen.moved_rows), before))
 
 
@@ -53,6 +62,7 @@ def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm
     whole = Generator(model, max_batch=4, context=context, prefix_cache=0, **kw)
     want = run(whole, prompts)
     want_reversed = run(whole, prompts, LENGTHS[::-1])
+    want_masked = run(whole, prompts[:2], [24, 6], [ANSWER])
     assert whole.narrow_steps == 0 and whole.narrow_rows == 0 and whole.moved_rows == 0
     narrow = Generator(model, max_batch=4, context=context, prefix_cache=0, narrow_rows=2, **kw)
     names = [name for name, _, _ in narrow.program_set()]
@@ -61,6 +71,7 @@ def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm
     with CompileCounter() as counter:
         got, steps, narrow_steps, moved = steps_of(narrow, prompts, LENGTHS)
         got_reversed, steps_r, narrow_r, moved_r = steps_of(narrow, prompts, LENGTHS[::-1])
+        got_masked, steps_m, narrow_m, _ = steps_of(narrow, prompts[:2], [24, 6], [ANSWER])
     assert counter.compiled == 0
     # rows 0 and 1 ran alone after row 2's 3 tokens: those steps were narrow, the first ones were not;
     # nothing moved (no decoding row past row 1 once the narrow steps could start)
@@ -68,9 +79,13 @@ def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm
     # the other order: row 0's 3 tokens end first, then row 2 (20 tokens) moves into row 0 and every
     # later step is narrow; without the move rows 1 and 2 would have stepped at full width to the end
     assert moved_r == 1 and 0 < narrow_r < steps_r and steps_r - narrow_r == steps - narrow_steps
-    for (tokens, lp), (want_tokens, want_lp) in zip(got + got_reversed, want + want_reversed):
+    # a constrained row in rows 0 and 1: every step is split around its masks, and narrow
+    assert narrow_m == steps_m > 0 and "masked narrow" in narrow._ran
+    for (tokens, lp), (want_tokens, want_lp) in zip(got + got_reversed + got_masked,
+                                                    want + want_reversed + want_masked):
         assert tokens == want_tokens
         np.testing.assert_allclose(lp, want_lp, rtol=1e-4, atol=1e-5)
+    assert '"answer"' in model.tokenizer.decode(got_masked[0][0])
     assert any(program.endswith(" narrow") for program in narrow._ran), narrow._ran
 
 

@@ -91,8 +91,9 @@ def add_commands(sub) -> None:
     s.add_argument("--narrow-rows", type=_narrow_rows, default=None, metavar="N|auto",
                    help="a second, narrower width of the decode programs: a step whose requests all sit in "
                         "the first N rows computes N rows, not --max-batch (requests in higher rows move "
-                        "down when they fit; one more program, two with --spec under the auto policy, and "
-                        "a row copy; pays where a step's cost follows its rows, a CPU); "
+                        "down when they fit; the decode step, with --spec under the auto policy its twin "
+                        "without drafts, and the step split around grammar masks compiled once more at N "
+                        "rows; pays where a step's cost follows its rows, a CPU); "
                         "default auto: a quarter of the rows on a CPU without --mesh, none elsewhere; 0: none")
     s.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
                    help=f"tokens per request, prompt and output (default {DEFAULT_CONTEXT}, or the model's "

@@ -377,13 +377,13 @@ class Generator(ProgramSet, Admission):
         cap = np.array([self._room(r) if r is not None else 1 for r in rows], np.int32)
         want = any(r is not None and r.options.logprobs is not None for r in rows)
         masked = any(r is not None and r.constraint is not None for r in rows)
-        w = self.narrow_rows if self.narrow_rows and not masked and not active[self.narrow_rows:].any() else 0
+        w = self.narrow_rows if self.narrow_rows and not active[self.narrow_rows:].any() else 0
         plan = None if not self.k else self.spec_policy.plan(rows, active, cap, force, w)
         self.steps += 1
         t0 = time.perf_counter()
         try:
             if masked:
-                out = self._masked_step(active, force, cap, np.bool_(want), constrained, plan)
+                out = self._masked_step(w, active, force, cap, np.bool_(want), constrained, plan)
             else:
                 out = self._decode(w, active, force, cap, np.bool_(want), plan)
             self._batch, tokens, counts = out[:3]
@@ -498,25 +498,31 @@ class Generator(ProgramSet, Admission):
         arrays = () if plan is None or off else ({key: v[rows] for key, v in plan.arrays().items()},)
         return fn(self._state, self._batch, active[rows], force[rows], cap[rows], want, *arrays)
 
-    def _masked_step(self, active, force, cap, want, rows: dict, plan=None):
+    def _masked_step(self, w: int, active, force, cap, want, rows: dict, plan=None):
         """The step split around the host's token bitmasks (``zoo.engine.masked_step``) for the masked
-        ``rows`` (row -> constraint, ``_constrained``); returns what ``_step_fn`` returns. ``cap``
-        may be lowered where a row's draft masks ran out of time. ``plan``: the speculation policy's
-        (its "off" runs as K-draft parts with every length 0: no masked program of its own)."""
-        p = self._masked
-        masks = self._masks(self._B, self.k + 1)
+        ``rows`` (row -> constraint, ``_constrained``); returns what ``_step_fn`` returns (with ``w``:
+        on the batch's first ``w`` rows, as ``_decode``). ``cap`` may be lowered where a row's draft
+        masks ran out of time. ``plan``: the speculation policy's (its "off" runs as K-draft parts with
+        every length 0: no masked program of its own)."""
+        p, batch = self._masked, self._batch
+        if w:
+            batch, others = p.split(batch, w)
+            active, force, cap = active[:w], force[:w], cap[:w]       # views: a lowered cap is the caller's
+        masks = self._masks(w or self._B, self.k + 1)
         if not self.k:
-            batch, logits = p.logits(self._state, self._batch, active)      # dispatched, runs meanwhile
+            batch, logits = p.logits(self._state, batch, active)             # dispatched, runs meanwhile
             self.mask_schedule.fill(masks, rows)
-            return p.pick(batch, logits, active, force, masks[:, :1], want)
-        arrays = plan.arrays() if plan is not None else None
-        batch, drafts, x_m = p.draft(self._state, self._batch, active, arrays)
-        host_drafts = host_value(drafts)
-        batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active, arrays)
-        if plan is not None:
-            np.minimum(cap, plan.lengths + 1, out=cap)                          # no mask past a row's drafts
-        self.mask_schedule.fill(masks, rows, host_drafts, cap)               # while the verify runs
-        return p.settle(self._state, batch, before, p_logits, h, drafts, active, force, cap, masks, want, arrays)
+            out = p.pick(batch, logits, active, force, masks[:, :1], want)
+        else:
+            arrays = None if plan is None else {key: v[:w or None] for key, v in plan.arrays().items()}
+            batch, drafts, x_m = p.draft(self._state, batch, active, arrays)
+            host_drafts = host_value(drafts)
+            batch, p_logits, h, before = p.verify(self._state, batch, x_m, drafts, active, arrays)
+            if plan is not None:
+                np.minimum(cap, plan.lengths[:w or None] + 1, out=cap)         # no mask past a row's drafts
+            self.mask_schedule.fill(masks, rows, host_drafts, cap)           # while the verify runs
+            out = p.settle(self._state, batch, before, p_logits, h, drafts, active, force, cap, masks, want, arrays)
+        return (p.join(out[0], others),) + tuple(out[1:]) if w else out
 
     def _room(self, req: Request) -> int:
         """Tokens ``req`` may take this step: k+1, fewer near its length limit or thinking budget."""

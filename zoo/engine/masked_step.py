@@ -21,8 +21,12 @@ host drafts (``zoo.engine.speculative``). As there, a row whose logits are not f
 with n = -1 (``sampling.flag_nonfinite``). Each program that produces tokens also returns their
 ``maybe_token_logprobs`` (``zoo.engine.logprobs``, from the unmasked target logits; computed where
 the traced flag ``want_lp`` holds). Rows without a constraint get all-ones masks; a batch without
-any constrained row never comes here. Every shape is the batch's: ``Generator.warmup`` compiles
-these parts once with the rest.
+any constrained row never comes here. ``Generator.warmup`` compiles these parts once with the rest.
+
+With narrow rows (``Generator(narrow_rows=N)``) a batch whose decoding rows all lie below N runs the
+same parts on its first N rows: ``split`` takes them apart (their slot buffers whole, as the narrow
+decode step does: ``rows.split_rows``), the parts run at N rows (their second shapes), and ``join``
+writes them back (``rows.join_rows``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from flax import nnx
 from zoo.engine import speculative
 from zoo.engine.flat_state import as_state
 from zoo.engine.logprobs import maybe_token_logprobs
+from zoo.engine.rows import join_rows, split_rows
 from zoo.engine.sampling import flag_nonfinite, position_keys, row_keys, sample
 from zoo.engine.token_mask import apply_token_mask
 from zoo.sharding.cache_axes import shard_cache
@@ -54,12 +59,15 @@ def pick_next(tok: jax.Array, params: dict, logits: jax.Array, active: jax.Array
 
 class MaskedPrograms:
     """The jitted parts (see the module doc) for a model split into ``graphdef`` + state, with
-    ``k`` MTP drafts per step (0: plain). The batch is donated to each part."""
+    ``k`` MTP drafts per step (0: plain). The batch is donated to each part, and to ``split(batch,
+    width) -> (rows, others)`` and ``join(rows, others) -> batch`` (the narrow rows, width static)."""
 
     def __init__(self, graphdef, k: int, mesh=None):
         self._graphdef, self.k = graphdef, k
         for name in ("logits", "draft", "verify", "pick", "settle"):
             setattr(self, name, on_mesh(self.jitted(name), mesh))
+        self.split = on_mesh(jax.jit(split_rows, static_argnums=(1,), donate_argnums=(0,)), mesh)
+        self.join = on_mesh(jax.jit(join_rows, donate_argnums=(0, 1)), mesh)
 
     @property
     def parts(self) -> tuple[str, ...]:

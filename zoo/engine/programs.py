@@ -163,8 +163,8 @@ class ProgramSet:
         seconds) per program. The batch is left empty."""
         timings: list[tuple[str, float]] = []
         images = [] if self._images is None else self._images.warmup_names(self.prefill_widths)
-        decodes = (1 + self.drafts_off) * (1 + bool(self.narrow_rows))      # each width, drafting on and off
-        total = (len(self.prefill_widths) + 2 + decodes + bool(self.narrow_rows) + (self.prefix is not None)
+        decodes = (2 + self.drafts_off) * (1 + bool(self.narrow_rows))      # each width: drafting on and off, masked
+        total = (len(self.prefill_widths) + 1 + decodes + bool(self.narrow_rows) + (self.prefix is not None)
                  + len(images))
 
         def timed(name, fn):
@@ -208,7 +208,7 @@ class ProgramSet:
 
         def decode(masked: bool, off: bool = False, w: int = 0):
             if masked:                                                                  # no row masked
-                out = self._masked_step(none, force, cap, np.bool_(False), {}, plan)
+                out = self._masked_step(w, none, force, cap, np.bool_(False), {}, plan)
             else:
                 out = self._decode(w, none, force, cap, np.bool_(False),
                                    dataclasses.replace(plan, option="off") if off else plan)
@@ -219,7 +219,7 @@ class ProgramSet:
             timed("decode" + rows + (f" MTP k={self.k}" if self.k else ""), lambda w=w: decode(False, w=w))
             if self.drafts_off:
                 timed("decode" + rows + " MTP drafts off", lambda w=w: decode(False, off=True, w=w))
-        timed("decode with token masks", lambda: decode(True))
+            timed("decode with token masks" + rows, lambda w=w: decode(True, w=w))
         if self.prefix is not None:
             timed("prefix cache copies", lambda: self._rows_io.warmup(self._state, self._batch, cache,
                                                                         h_last if self.k else None))

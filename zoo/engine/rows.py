@@ -5,6 +5,8 @@ budget of the caches, the first token of a prefilled request, placing it into a 
     first_token(logits [B, V], params, mask, want_lp) the token [B] after a prefill (-1: broken logits)
     place(batch, cache, first [1], h_last [1, D], params, r, k)   a prefilled request into row r
     move_row(batch, src, dst)                        row src's state copied into row dst
+    split_rows(batch, width) -> (rows, others)       the first rows apart (their slot buffers whole)
+    join_rows(rows, others) -> batch                 split_rows undone, the rows' new state in
     narrow_width(requested, rows, mesh) -> int       the narrow decode programs' rows (0: none)
     rows_of(x [w, ...], rows) -> [rows, ...]         a narrow step's per-row output, zero-padded
 """
@@ -21,6 +23,9 @@ from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.sampling import row_keys, sample
 from zoo.engine.token_mask import apply_token_mask
 from zoo.formats.host_arrays import host_memory
+from zoo.sharding.cache_axes import map_with_axes
+
+SLOT_AXES = ("kv_len", "latent_len")   # a step of the batch's first rows reads / writes these in place
 
 
 def host_available() -> int:
@@ -81,6 +86,36 @@ def move_row(batch: dict, src, dst) -> dict:
     which no step reads (a free row) and ``place`` overwrites."""
     return jax.tree.map(lambda b: jax.lax.dynamic_update_index_in_dim(
         b, jax.lax.dynamic_index_in_dim(b, src, 0, keepdims=False), dst, 0), batch)
+
+
+def slot_buffers(cache) -> object:
+    """``cache``'s tree with True at its slot buffers (leaves with a ``SLOT_AXES`` axis: the KV and
+    latent caches, most of a row's bytes) and False elsewhere."""
+    return map_with_axes(lambda _, x, axes: any(a in SLOT_AXES for a in axes), cache)
+
+
+def split_rows(batch: dict, width: int) -> tuple[dict, dict]:
+    """``(rows, others)``: ``rows`` the batch's first ``width`` rows with its slot buffers whole (a
+    step of those rows reads their first rows and writes its tokens in place:
+    ``zoo.models.shared.filled_blocks``, ``kv_slots``), every other leaf cut to rows [0, width) (per
+    row small: recurrent states, slot bookkeeping, carry, params); ``others`` those other leaves whole
+    (None at the slot buffers), for ``join_rows``."""
+    whole = slot_buffers(batch["cache"])
+
+    def part(keep, cut):
+        return {"cache": jax.tree.map(lambda w, x: keep(x) if w else cut(x), whole, batch["cache"]),
+                **{key: jax.tree.map(cut, v) for key, v in batch.items() if key != "cache"}}
+    return part(lambda x: x, lambda x: x[:width]), part(lambda x: None, lambda x: x)
+
+
+def join_rows(rows: dict, others: dict) -> dict:
+    """The batch ``split_rows`` took apart, with ``rows``' (possibly stepped) state as its first rows:
+    the slot buffers ``rows``' own, every other leaf ``others``' with its first rows written over."""
+    put = lambda x, part: jax.lax.dynamic_update_slice_in_dim(x, part.astype(x.dtype), 0, 0)   # noqa: E731
+    cache = jax.tree.map(lambda w, part, x: part if w else put(x, part), slot_buffers(rows["cache"]), rows["cache"],
+                         others["cache"])
+    return {"cache": cache, **{key: jax.tree.map(lambda part, x: put(x, part), v, others[key])
+                               for key, v in rows.items() if key != "cache"}}
 
 
 def first_token(logits: jax.Array, params: dict, mask: jax.Array, want_lp: jax.Array):

@@ -33,12 +33,11 @@ from zoo.engine import speculative
 from zoo.engine.flat_state import as_state
 from zoo.engine.logprobs import maybe_token_logprobs
 from zoo.engine.masked_step import MaskedPrograms, pick_next
-from zoo.engine.rows import first_token, move_row, place
+from zoo.engine.rows import first_token, join_rows, move_row, place, split_rows
 from zoo.engine.sampling import flag_nonfinite, position_keys
-from zoo.sharding.cache_axes import map_with_axes, shard_cache
+from zoo.sharding.cache_axes import shard_cache
 
 SHARED = 48                   # programs (and masked-step sets) the registry keeps
-SLOT_AXES = ("kv_len", "latent_len")   # a decode step of the first rows reads / writes these in place
 _programs: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()
 
@@ -169,24 +168,18 @@ def decode_step(graphdef, k: int, state, batch, active, force, cap, want_lp, pla
 def decode_narrow(graphdef, k: int, state, batch, active, force, cap, want_lp, plan=None, *, width: int,
                   k_run: int | None = None):
     """``decode_step`` on the batch's first ``width`` rows (every batch leaf's first axis is its row;
-    the batch is donated). The slot buffers (cache leaves with a ``SLOT_AXES`` axis: the KV and latent
-    caches, most of a row's bytes) go in whole: the attention reads their first rows and writes the
-    step's tokens in place (``zoo.models.shared.filled_blocks``, ``kv_slots``). The rest (recurrent
-    states, slot bookkeeping, carry, params: per row small) is cut to rows [0, width) and written back.
-    ``active``, ``force``, ``cap`` and the ``plan``'s leaves are those rows' ([width, ...]), as are the
-    returned tokens, counts and logprob leaves. A row's step does not depend on the rows
-    beside it, so a batch whose decoding rows all lie below ``width`` steps here for what ``width``
-    rows cost instead of B (a compute-bound backend's cost grows with the rows: on a CPU, the
-    embedded models' step at 16 rows costs ~3x one at 1 or 4)."""
-    whole = map_with_axes(lambda _, x, axes: any(a in SLOT_AXES for a in axes), batch["cache"])
-    cut = lambda x: x[:width]                                                              # noqa: E731
-    rows = {"cache": jax.tree.map(lambda w, x: x if w else cut(x), whole, batch["cache"]),
-            **{key: jax.tree.map(cut, v) for key, v in batch.items() if key != "cache"}}
+    the batch is donated). The slot buffers (cache leaves with a ``rows.SLOT_AXES`` axis: the KV and
+    latent caches, most of a row's bytes) go in whole: the attention reads their first rows and writes
+    the step's tokens in place (``zoo.models.shared.filled_blocks``, ``kv_slots``). The rest (recurrent
+    states, slot bookkeeping, carry, params: per row small) is cut to rows [0, width) and written back
+    (``rows.split_rows``, ``rows.join_rows``). ``active``, ``force``, ``cap`` and the ``plan``'s
+    leaves are those rows' ([width, ...]), as are the returned tokens, counts and logprob leaves. A
+    row's step does not depend on the rows beside it, so a batch whose decoding rows all lie below
+    ``width`` steps here for what ``width`` rows cost instead of B (a compute-bound backend's cost
+    grows with the rows: on a CPU, the embedded models' step at 16 rows costs ~3x one at 1 or 4)."""
+    rows, others = split_rows(batch, width)
     rows, tokens, n, scored = decode_step(graphdef, k, state, rows, active, force, cap, want_lp, plan, k_run)
-    put = lambda x, part: jax.lax.dynamic_update_slice_in_dim(x, part.astype(x.dtype), 0, 0)   # noqa: E731
-    cache = jax.tree.map(lambda w, x, part: part if w else put(x, part), whole, batch["cache"], rows["cache"])
-    batch = {"cache": cache,
-             **{key: jax.tree.map(put, v, rows[key]) for key, v in batch.items() if key != "cache"}}
+    batch = join_rows(rows, others)
     return batch, tokens, n, scored
 
 
