@@ -27,11 +27,11 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title",
 
 
 class TimedFill:
-    """Wraps ``Generator._fill_masks`` and adds up the host time it takes."""
+    """Wraps the engine's mask fill (``MaskSchedule.fill``) and adds up the host time it takes."""
 
     def __init__(self, gen: Generator):
-        self.seconds, self._inner = 0.0, gen._fill_masks
-        gen._fill_masks = self
+        self.seconds, self._inner = 0.0, gen.mask_schedule.fill
+        gen.mask_schedule.fill = self
 
     def __call__(self, *args):
         t0 = time.perf_counter()
