@@ -1,5 +1,6 @@
 """The engine's small programs and sizes around a batch's rows (``zoo.engine.generator``): the memory
-budget of the caches, the first token of a prefilled request, placing it into a row.
+budget of the caches, the first token of a prefilled request, placing it into a row, moving a row,
+the batch's first rows apart from the rest (the narrow programs').
 
     default_memory_budget()                          bytes the caches may use
     first_token(logits [B, V], params, mask, want_lp) the token [B] after a prefill (-1: broken logits)
