@@ -44,6 +44,18 @@ def run(gen: Generator, prompts, lengths=LENGTHS, grammars=()) -> list:
     return [(r.tokens, np.array([t.logprob for t in r.token_logprobs])) for r in reqs]
 
 
+def engine_metrics(gen: Generator) -> dict:
+    """``(sample name, its "rows" label)`` -> value of the engine's metrics, as ``/metrics`` renders them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from zoo.server.metrics import Metrics
+    metrics = Metrics()
+    metrics.watch_engine(gen)
+    return {(x.name, x.labels.get("rows")): x.value
+            for f in text_string_to_metric_families(metrics.render().decode()) for x in f.samples
+            if x.name.startswith("zoo_engine_")}
+
+
 def steps_of(gen: Generator, prompts, lengths, grammars=()) -> tuple[list, int, int, int]:
     """``run``'s results, and the decode steps, narrow steps and row moves it took."""
     before = gen.steps, gen.narrow_steps, gen.moved_rows
@@ -86,6 +98,13 @@ def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm
         assert tokens == want_tokens
         np.testing.assert_allclose(lp, want_lp, rtol=1e-4, atol=1e-5)
     assert '"answer"' in model.tokenizer.decode(got_masked[0][0])
+    # the server's /metrics reads these counters (``zoo.server.metrics``)
+    exported = engine_metrics(narrow)
+    narrowed = narrow_steps + narrow_r + narrow_m
+    assert exported[("zoo_engine_decode_steps_total", "narrow")] == narrow.narrow_steps == narrowed
+    assert exported[("zoo_engine_decode_steps_total", "all")] == narrow.steps - narrow.narrow_steps > 0
+    assert exported[("zoo_engine_rows_moved_total", None)] == narrow.moved_rows == 1
+    assert exported[("zoo_engine_prefills_total", None)] == narrow.prefills == 8
     assert any(program.endswith(" narrow") for program in narrow._ran), narrow._ran
 
 

@@ -135,5 +135,9 @@ def test_metrics_count_speculation_latency_and_routes(server):
     assert 0 < total("zoo_spec_position_accepted_total") <= drafts
     assert total("zoo_spec_draft_length_count") > 0 and total("zoo_inter_token_latency_seconds_count") > 0
     assert total("zoo_http_requests_total", route="/v1/responses", status="200") == 1
-    policy = app.state.service.engine.generator.spec_policy
+    gen = app.state.service.engine.generator
+    assert total("zoo_engine_decode_steps_total") == gen.steps > 0 and total("zoo_engine_rows_moved_total") == 0
+    assert total("zoo_engine_decode_steps_total", rows="narrow") == 0          # no narrow rows here
+    assert total("zoo_engine_prefills_total") == gen.prefills > 0 and total("zoo_engine_prefill_tokens_total") > 0
+    policy = gen.spec_policy
     assert policy.mode == "auto" and policy.chosen["off"] > 0 and sum(policy.chosen.values()) > policy.chosen["off"]

@@ -136,6 +136,7 @@ def create_app(model, *, api_key: str | None = None, spec_tokens: int = 0, spec_
                           interleave_ratio=interleave_ratio, narrow_rows=narrow_rows)
     context, rows = generator.context, generator.rows
     metrics = Metrics()
+    metrics.watch_engine(generator)
     if generator.prefix is not None:
         metrics.watch_prefix_cache(generator.prefix)
     if replica is not None:

@@ -58,6 +58,10 @@ class Metrics:
         """Export a ``PrefixCache``'s counters and tier sizes (read at each scrape)."""
         self.registry.register(_PrefixCollector(prefix))
 
+    def watch_engine(self, generator) -> None:
+        """Export a ``Generator``'s step counters (read at each scrape)."""
+        self.registry.register(_EngineCollector(generator))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -78,6 +82,31 @@ class Metrics:
         for length, steps in (spec.get("lengths") or {}).items():
             for _ in range(steps):
                 self.draft_length.observe(int(length))
+
+
+class _EngineCollector:
+    """The engine's step counters as metrics (``Generator.steps``, ``narrow_steps``, ``moved_rows``,
+    ``prefills``, ``prefill_tokens``)."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = self.generator
+        steps = CounterMetricFamily("zoo_engine_decode_steps", "Decode steps run, by the rows their program "
+                                    "computes (narrow: the first --narrow-rows rows only)", labels=["rows"])
+        steps.add_metric(["all"], g.steps - g.narrow_steps)
+        steps.add_metric(["narrow"], g.narrow_steps)
+        yield steps
+        for name, doc, value in (
+                ("zoo_engine_rows_moved", "Requests moved into a free row below --narrow-rows (row compaction)",
+                 g.moved_rows),
+                ("zoo_engine_prefills", "Prompts prefilled (a request's choices share one)", g.prefills),
+                ("zoo_engine_prefill_tokens", "Prefill piece widths run, padding included", g.prefill_tokens)):
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class _PrefixCollector:
