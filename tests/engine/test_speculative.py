@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +21,10 @@ import pytest
 
 import zoo
 from tests.support.helpers import bigram_variant
+from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
 from zoo.engine.speculative import accept
+from zoo.server import grammar as G
 
 PROMPTS = [[5, 17, 200, 33, 8, 91, 4, 250, 11], [300, 2, 77], [42] * 20, [7, 8, 9, 10, 11, 12]]
 N_NEW = 16
@@ -90,6 +93,33 @@ def test_streams_joining_and_leaving_match_solo_runs(models, plain_runs, name, k
         gen.step()
     for i, r in reqs.items():
         assert r.tokens == alone[i][:lengths[i]], f"stream {i}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_row_sitting_speculative_steps_out_keeps_its_state(models, name):
+    """A constrained row whose mask is late sits a step out (``MaskSchedule.late``): inactive in the
+    speculative step, whose verify writes its per-token states and whose rollback keeps none of its
+    tokens. Its state must stay as it was: the short convs' windows (DeltaNet, KDA), the indexer's
+    tail pool (GLM). Here it sits out every other step while another row decodes; its tokens equal
+    those it has alone."""
+    model = models[name + "/bigram"]
+    g = OutputGrammar(G.regex("[a-z ]{400}"))          # no end within the test: every token is masked
+    kw = dict(spec_tokens=2, spec_policy="fixed", max_batch=4)
+    alone = Generator(model, **kw).generate([PROMPTS[0]], max_new_tokens=2 * N_NEW, grammar=g)[0]
+    gen = Generator(model, **kw)
+    schedule, calls = gen.mask_schedule, itertools.count()
+    schedule.share = None                               # its masks are always ready in time ...
+    on_time = schedule.late
+    # ... and it is told late on every other step (the other row, constrained too, steps on)
+    schedule.late = lambda rows, others: on_time(rows, others) or [
+        r for r in rows if gen._rows[r] is held and next(calls) % 2]
+    held = gen.submit(gen.make_request(PROMPTS[0], max_new_tokens=2 * N_NEW, grammar=g))
+    gen.submit(gen.make_request(PROMPTS[2], max_new_tokens=8 * N_NEW, grammar=g))
+    while not held.done.is_set():
+        gen.step()
+    print(f"[{name}] {held.stats['steps']} steps, {held.stats['mask_waits']} sat out")
+    assert held.stats["mask_waits"] >= 4 and held.stats["steps"] >= 4
+    assert held.tokens == alone.tokens
 
 
 def test_spec_respects_stop_tokens(models, plain_runs):

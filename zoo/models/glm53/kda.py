@@ -114,7 +114,7 @@ class KimiDeltaAttention(nnx.Module):
             projected = proj(x)
             y, conv_states[name] = causal_depthwise_conv(projected, getattr(cache.conv, name), weight[...], mask)
             if keep_steps:
-                conv_states[name] = conv_state_steps(getattr(cache.conv, name), projected)
+                conv_states[name] = conv_state_steps(getattr(cache.conv, name), projected, mask)
             qkv[name] = jax.nn.silu(y.astype(jnp.float32)).astype(x.dtype).reshape(heads)
         g = jnp.where(mask[..., None, None], self.forget_gate(x), 0.0)
         beta = jnp.where(mask[..., None], jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32)), 0.0)

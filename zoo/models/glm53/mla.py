@@ -155,7 +155,7 @@ class Indexer(nnx.Module):
         completed by this call into ``pool_k`` and keeps the new incomplete pool as the tail.
 
         ``keep_steps``: the tails are kept after every token (``[B, T, P, di]``): the tail after t
-        tokens is the window pool holding position start + t. Entries of rejected tokens beyond a
+        tokens is the window pool holding position start + min(t, count). Entries of rejected tokens beyond a
         kept prefix sit at offsets the next call treats as empty; ``pool_k`` needs no rollback,
         because a pool is only read once it is complete and is rewritten when it completes again."""
         p = self.pool
@@ -183,7 +183,9 @@ class Indexer(nnx.Module):
         dest = jnp.where(filled.all(-1), first[:, None] + jnp.arange(window), n_pools)
         pool_k = cache.pool_k.at[rows, dest].set(pooled, mode="drop")
         if keep_steps:
-            steps = (pos.start[:, None] + jnp.arange(1, t + 1)[None, :]) // p - first[:, None]   # [B, T]
+            # a padding step keeps the tail of the last real token (a row of padding: its old tail)
+            done = jnp.minimum(jnp.arange(1, t + 1)[None, :], pos.count[:, None])
+            steps = (pos.start[:, None] + done) // p - first[:, None]                           # [B, T]
             return IndexerCache(pool_k=pool_k, tail_k=keys[rows, steps], tail_gate=gates[rows, steps])
         last = (pos.start + pos.count) // p - first                                        # new tail
         return IndexerCache(pool_k=pool_k, tail_k=keys[jnp.arange(b), last], tail_gate=gates[jnp.arange(b), last])

@@ -81,7 +81,7 @@ class GatedDeltaNet(nnx.Module):
         k = linear_attention.l2_normalize(k)
         if keep_steps:
             o, state = linear_attention.recurrent(q, k, v, g, beta, cache.state, all_states=True)
-            conv_state = conv_state_steps(cache.conv, mixed)
+            conv_state = conv_state_steps(cache.conv, mixed, mask)
         else:
             o, state = linear_attention.delta_rule(q, k, v, g, beta, cache.state)
         z = self.in_proj_z(x).reshape(b, t, self.nv, self.dv)

@@ -188,12 +188,20 @@ def causal_depthwise_conv(x: jax.Array, state: jax.Array, weight: jax.Array, mas
     return acc.astype(x.dtype), new_state
 
 
-def conv_state_steps(state: jax.Array, x: jax.Array) -> jax.Array:
-    """The conv state after each of the T inputs: ``[B, T, K-1, C]`` from state ``[B, K-1, C]`` and
-    x ``[B, T, C]`` (entry t equals the state ``causal_depthwise_conv`` returns after x[:, :t+1])."""
+def conv_state_steps(state: jax.Array, x: jax.Array, mask: jax.Array) -> jax.Array:
+    """The conv state after each of the T inputs: ``[B, T, K-1, C]`` from state ``[B, K-1, C]``,
+    x ``[B, T, C]`` and mask ``[B, T]`` (True = token; padding only after a row's tokens): entry t
+    equals the state ``causal_depthwise_conv`` returns after x[:, :t+1] with that mask, so a padding
+    step keeps the state of the last token before it, and a row of padding only (an inactive decode
+    row) keeps ``state`` at every step."""
     k1, t = state.shape[1], x.shape[1]
     full = jnp.concatenate([state.astype(x.dtype), x], axis=1)
-    return jnp.stack([full[:, i + 1:i + 1 + k1] for i in range(t)], axis=1)
+    mask = mask.astype(bool)
+    steps, last = [], state.astype(x.dtype)
+    for i in range(t):
+        last = jnp.where(mask[:, i, None, None], full[:, i + 1:i + 1 + k1], last)
+        steps.append(last)
+    return jnp.stack(steps, axis=1)
 
 
 def take_step(steps: jax.Array, idx: jax.Array) -> jax.Array:
