@@ -12,8 +12,9 @@ float32, so every configuration emits the same tokens and only the time differs:
     auto    up to K drafts per row and step, MTP or prompt lookup, chosen from timed step costs and
             running acceptance (``zoo serve --spec K --spec-policy auto``)
 
-Two tasks, each at 1, 4 and 16 concurrent streams (a batch of that many requests, stepped to the
-end; the auto engine keeps what it learned between runs, as a server does):
+Two tasks of 16 prompts each, at 1, 4 and 16 concurrent streams (the prompts in batches of that
+many requests, one batch after the other, each stepped to its end; the auto engine keeps what it
+learned between runs, as a server does):
 
     chat    questions from the demo corpus's families (arithmetic, spelling, weather, definitions)
     reask   the same questions asked again in a second turn, after the model's own first answer:
@@ -97,11 +98,13 @@ def bench_model(name: str, k: int, streams: list[int], tokens: int, repeat: int,
           + f" | {'e2e fixed/plain':>15s} {'auto/plain':>10s}")
     for task, prompts in work.items():
         for n in streams:
-            batch = [prompts[i % len(prompts)] for i in range(n)]
+            # every prompt of the task, n at a time (the same requests at every stream count)
+            waves = [[prompts[(w * n + i) % len(prompts)] for i in range(n)] for w in range(max(1, len(prompts) // n))]
             acc = {c: [0.0, 0, 0.0, 0] for c in configs}
             for r in range(repeat):
                 for c in configs[r % len(configs):] + configs[:r % len(configs)]:
-                    acc[c] = [a + b for a, b in zip(acc[c], run(gens[c], batch, tokens))]
+                    for batch in waves:
+                        acc[c] = [a + b for a, b in zip(acc[c], run(gens[c], batch, tokens))]
             assert len({a[3] for a in acc.values()}) == 1, acc      # greedy: the same tokens every way
             rate = {c: acc[c][1] / acc[c][0] for c in configs}
             e2e = {c: acc[c][3] / acc[c][2] for c in configs}

@@ -27,7 +27,7 @@ def inputs(t, per_channel, seed, strong=False):
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
-@pytest.mark.parametrize("t", [1, 17, 64, 130])
+@pytest.mark.parametrize("t", [1, 16, 17, 64, 130])    # per head: chunks of 16, 16, 32, 64, 64
 def test_chunked_equals_recurrent(t, per_channel):
     q, k, v, g, beta, state = inputs(t, per_channel, seed=t)
     o_r, s_r = jax.jit(la.recurrent)(q, k, v, g, beta, state)

@@ -76,10 +76,13 @@ def _pairwise_decay(G: jax.Array, per_channel: bool) -> jax.Array:
 
 def chunked(q, k, v, g, beta, state, chunk_size: int | None = None):
     """Chunked delta rule (see module docstring). ``chunk_size`` defaults to 64 for a per-head
-    decay and 16 for a per-channel decay (whose pairwise decays are ``[C, C, dk]`` per chunk)."""
+    decay (T rounded up to 16 when that is less) and 16 for a per-channel decay (whose pairwise
+    decays are ``[C, C, dk]`` per chunk)."""
     per_channel = g.ndim == 4
-    c = chunk_size or (16 if per_channel else 64)
     b, t, h, dk = k.shape
+    # a short call (a small prefill piece) in one chunk of its own length rounded up to 16, not
+    # padded to 64: the intra-chunk work grows with the square of the chunk
+    c = chunk_size or (16 if per_channel else min(64, -(-t // 16) * 16))
     dv = v.shape[-1]
     pad = (-t) % c
     n = (t + pad) // c
