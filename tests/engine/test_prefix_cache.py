@@ -66,7 +66,9 @@ def test_conversation_turns_hit_and_match_the_uncached_run(models, which, k):
     want = converse(uncached(model, k), TURNS)
     prompt = []
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_same_generation(g, w)
+        # float32 rounding: the turns are prefilled in other pieces than the uncached run's (from the
+        # snapshot on), and 150 tokens of recurrent state round apart by up to ~1.2e-5 (relative)
+        assert_same_generation(g, w, tol=3e-5)
         if i:
             # turn i hits where turn i-1's request ended: its prompt and its answer, but for the last
             # token when it ran out of tokens (sampled, never fed; an end-of-turn token is not in
