@@ -35,9 +35,10 @@ def small_width(chunk: int, least: int, mesh=None) -> int:
     On one CPU device (no mesh, or a mesh of one CPU device: ``zoo compile``'s CPU target) a piece
     costs what its tokens cost. Measured on qwen38-tiny (bfloat16) with 3-4k tokens filled, in the
     engine's running estimates: a 64-token piece 19-28 ms, a 16-token one 3.1-3.7 ms (5.2-6.8 ms
-    while the chunked delta rule padded it to a chunk of 64), a decode step 1-1.4 ms. There the small width is ``chunk / 64``, so that the stream's wait stays within a
-    few decode steps. Elsewhere a piece's cost is mostly reading the weights, as a decode step's is,
-    and a narrower piece would only slow the prompt: ``chunk / 16``."""
+    while the chunked delta rule padded it to a chunk of 64), a decode step 1-1.4 ms. There the
+    small width is ``chunk / 64``, so that the stream's wait stays within a few decode steps.
+    Elsewhere a piece's cost is mostly reading the weights, as a decode step's is, and a narrower
+    piece would only slow the prompt: ``chunk / 16``."""
     if mesh is None:
         cpu = jax.default_backend() == "cpu"
     else:
