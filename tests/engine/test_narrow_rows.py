@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import zoo
+from tests.support.metrics import metric_total
 from zoo.engine.compile_cache import CompileCounter
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
@@ -44,16 +45,12 @@ def run(gen: Generator, prompts, lengths=LENGTHS, grammars=()) -> list:
     return [(r.tokens, np.array([t.logprob for t in r.token_logprobs])) for r in reqs]
 
 
-def engine_metrics(gen: Generator) -> dict:
-    """``(sample name, its "rows" label)`` -> value of the engine's metrics, as ``/metrics`` renders them."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+def engine_metrics(gen: Generator) -> str:
+    """The engine's metrics as ``/metrics`` renders them (Prometheus text)."""
     from zoo.server.metrics import Metrics
     metrics = Metrics()
     metrics.watch_engine(gen)
-    return {(x.name, x.labels.get("rows")): x.value
-            for f in text_string_to_metric_families(metrics.render().decode()) for x in f.samples
-            if x.name.startswith("zoo_engine_")}
+    return metrics.render().decode()
 
 
 def steps_of(gen: Generator, prompts, lengths, grammars=()) -> tuple[list, int, int, int]:
@@ -101,10 +98,10 @@ def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm
     # the server's /metrics reads these counters (``zoo.server.metrics``)
     exported = engine_metrics(narrow)
     narrowed = narrow_steps + narrow_r + narrow_m
-    assert exported[("zoo_engine_decode_steps_total", "narrow")] == narrow.narrow_steps == narrowed
-    assert exported[("zoo_engine_decode_steps_total", "all")] == narrow.steps - narrow.narrow_steps > 0
-    assert exported[("zoo_engine_rows_moved_total", None)] == narrow.moved_rows == 1
-    assert exported[("zoo_engine_prefills_total", None)] == narrow.prefills == 8
+    assert metric_total(exported, "zoo_engine_decode_steps_total", rows="narrow") == narrow.narrow_steps == narrowed
+    assert metric_total(exported, "zoo_engine_decode_steps_total", rows="all") == narrow.steps - narrow.narrow_steps > 0
+    assert metric_total(exported, "zoo_engine_rows_moved_total") == narrow.moved_rows == 1
+    assert metric_total(exported, "zoo_engine_prefills_total") == narrow.prefills == 8
     assert any(program.endswith(" narrow") for program in narrow._ran), narrow._ran
 
 

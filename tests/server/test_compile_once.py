@@ -20,6 +20,7 @@ import openai
 import pytest
 
 import zoo
+from tests.support.metrics import metric_total
 from zoo.engine.compile_cache import CompileCounter
 from zoo.server.app import ServerThread, create_app
 from zoo.train import corpus
@@ -120,14 +121,11 @@ def test_a_warmed_server_compiles_nothing_for_any_request_mix(server):
 
 def test_metrics_count_speculation_latency_and_routes(server):
     """After the mix above (same module: the server's counters hold it)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     s, app, _, _ = server
-    r = httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
-    samples = [x for f in text_string_to_metric_families(r.text) for x in f.samples]
+    text = httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
 
     def total(name, **labels):
-        return sum(x.value for x in samples if x.name == name and all(x.labels.get(k) == v for k, v in labels.items()))
+        return metric_total(text, name, **labels)
     assert total("zoo_spec_position_drafts_total", source="mtp", position="1") > 0
     assert total("zoo_spec_position_accepted_total", source="mtp", position="1") > 0
     assert total("zoo_spec_position_drafts_total", source="lookup", position="1") > 0

@@ -11,8 +11,8 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.metrics import metric_total
 from tests.support.server_helpers import QWEN_TEMPLATE, say, scripted_model
 from zoo.server.app import ServerThread, create_app
 from zoo.server.protocols.openai_api import MAX_PROMPTS
@@ -31,9 +31,7 @@ def server(tmp_path_factory):
 
 
 def metric(server, name: str, **labels) -> float:
-    text = httpx.get(server.url + "/metrics", headers={"x-api-key": KEY}).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return metric_total(httpx.get(server.url + "/metrics", headers={"x-api-key": KEY}).text, name, **labels)
 
 
 def test_queue_full_429_wait_503_and_disconnect_frees_the_row(server):
