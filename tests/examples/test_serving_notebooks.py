@@ -67,7 +67,7 @@ def test_qwen_notebook_restores_an_attached_dataset(tmp_path):
                       {**COMMON, "MODEL": "qwen38-tiny", "QUANT": None, "MESH": None, "DEVICES": 1,
                        "CACHE_DIR": str(cache), "COMPILE_CACHE": str(tmp_path / "programs"),
                        "EVAL_REFERENCE": {"quant": None, "dtype": "float32"}, "EVAL_TEXT": str(text),
-                       "EVAL_CTX": 64, "EVAL_CHUNKS": 2}, tmp_path,
+                       "EVAL_CTX": 64, "EVAL_CHUNKS": 2, "EVAL_DIR": str(tmp_path / "eval")}, tmp_path,
                       env={"ZOO_CACHE_SEARCH": str(attached)})
     text = outputs_text(nb)
     assert f"restores {entry} (" in text
@@ -80,5 +80,7 @@ def test_qwen_notebook_restores_an_attached_dataset(tmp_path):
     quality = re.search(r"as stored: mean KL divergence ([0-9.]+) .* top-1 agreement ([0-9.]+)%.* over (\d+) tokens",
                         text)
     assert quality and 0 < float(quality[1]) < 0.1 and float(quality[2]) > 50 and quality[3] == "62"
+    # its files in EVAL_DIR (a run leaves nothing in /tmp): the reference logits and the per-token KLs
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["base.npz", "kld-as stored.npz"]
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 4                           # the plan, the throughput, KL by recipe, KL per token
