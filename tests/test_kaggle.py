@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from zoo import kaggle
 
 
-def test_a_server_that_cannot_start_raises_with_its_log(tmp_path):
-    server = kaggle.ZooServer("--model", "no-such-model", log_path=tmp_path / "serve.log", start_timeout_s=120)
+def test_a_server_that_cannot_start_raises_with_its_log(tmp_path, monkeypatch):
+    """Its own temporary log (no ``log_path``) is kept after a failed start, for reading; the serving
+    notebooks' tests check that a clean stop removes it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    server = kaggle.ZooServer("--model", "no-such-model", start_timeout_s=120)
     with pytest.raises(RuntimeError, match="did not start .*exit status 2") as err:
         server.start()
     assert "unknown model 'no-such-model'" in str(err.value)
-    assert server.proc.returncode == 2
+    assert server.proc.returncode == 2 and server.stop() == 2
+    assert server.log_path.parent == tmp_path and "unknown model" in server.log_path.read_text()
 
 
 def test_find_cache_names_why_an_entry_of_another_recipe_is_not_used(tmp_path, monkeypatch):

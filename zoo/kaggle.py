@@ -199,7 +199,9 @@ class ZooServer:
 
     ``start()`` returns once the server printed its banner (model loaded, port bound) and answers
     ``/health`` with 200 (after it compiled or loaded its programs); its stderr goes to ``log_path``
-    (``log_tail()``). ``load_seconds`` / ``loaded_from`` come from its "[zoo] loaded" line;
+    (``log_tail()``). Without a ``log_path`` it writes a temporary file of its own (``zoo-serve-*.log``
+    in the temporary directory), removed by ``stop()`` when the server exits cleanly (status 0) and
+    kept, for reading, otherwise. ``load_seconds`` / ``loaded_from`` come from its "[zoo] loaded" line;
     ``started_at`` is when the process started (``time.time()``)."""
 
     def __init__(self, *args: str, env: dict | None = None, log_path: str | Path | None = None,
@@ -208,7 +210,11 @@ class ZooServer:
         if "--port" not in self.args:
             self.args += ["--port", "0"]
         self.env = {**os.environ, **(env or {})}
-        self.log_path = Path(log_path or tempfile.mkstemp(prefix="zoo-serve-", suffix=".log")[1])
+        self.own_log = log_path is None
+        if self.own_log:
+            fd, log_path = tempfile.mkstemp(prefix="zoo-serve-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.banner: dict[str, str] = {}
@@ -262,12 +268,19 @@ class ZooServer:
     def programs_line(self) -> str:
         """The server's line on its programs: how many, in how long, compiled or loaded from the
         compile cache (and where that came from)."""
-        lines = [ln.removeprefix("[zoo] ") for ln in self.log_path.read_text().splitlines()
+        lines = [ln.removeprefix("[zoo] ") for ln in self._log_text().splitlines()
                  if ln.startswith(("[zoo] ready:", "[zoo] compile cache:"))]
         return "; ".join(lines) or "no warmup line (zoo serve --no-warmup?)"
 
     def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(self._log_text().splitlines()[-lines:])
+
+    def _log_text(self) -> str:
+        """The log so far ("" once ``stop()`` removed a log of its own)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def openai(self, **kwargs):
         from openai import OpenAI
@@ -278,7 +291,8 @@ class ZooServer:
         return Anthropic(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM (the server drains and exits 0), then SIGKILL after ``timeout_s``; the exit status."""
+        """SIGTERM (the server drains and exits 0), then SIGKILL after ``timeout_s``; the exit status.
+        A log of its own is removed after a clean exit (0) and kept otherwise."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -288,6 +302,8 @@ class ZooServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.own_log and self.proc.returncode == 0:
+            self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
     def __enter__(self) -> "ZooServer":

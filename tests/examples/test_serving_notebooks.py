@@ -26,6 +26,18 @@ def sweep_of(text: str) -> list[dict]:
     return json.loads(text[start:text.index("]", start) + 1])
 
 
+def own_tmp(tmp_path) -> dict:
+    """The notebook's temporary directory (``TMPDIR``): a folder of the test's own."""
+    (tmp_path / "tmp").mkdir()
+    return {"TMPDIR": str(tmp_path / "tmp")}
+
+
+def assert_no_server_logs_left(tmp_path) -> None:
+    """Its servers (``zoo.kaggle.ZooServer``) exited cleanly and removed their logs."""
+    left = sorted(p.name for p in (tmp_path / "tmp").glob("zoo-serve-*.log"))
+    assert not left, left
+
+
 def test_glm_notebook_first_run_builds_the_cache_and_serves_from_it(tmp_path):
     """Its servers compile lazily (``--no-warmup``: the programs its requests use, not the whole set;
     measured alone: 76 s against 102 s); the Qwen notebook below checks the warmup."""
@@ -35,8 +47,9 @@ def test_glm_notebook_first_run_builds_the_cache_and_serves_from_it(tmp_path):
     nb = run_notebook(NOTEBOOKS / "glm53-flash-v5e-8.ipynb",
                       {**lazy, "MODEL": "glm53-tiny", "QUANT": "int8", "MESH": "ep", "DEVICES": 8,
                        "CACHE_DIR": str(cache), "COMPILE_CACHE": str(tmp_path / "programs")}, tmp_path,
-                      env={**EIGHT_CPUS, "ZOO_CACHE_SEARCH": str(attached)})
+                      env={**EIGHT_CPUS, "ZOO_CACHE_SEARCH": str(attached), **own_tmp(tmp_path)})
     text = outputs_text(nb)
+    assert_no_server_logs_left(tmp_path)
     assert "no matching cache: the model loads from its sources" in text
     assert re.search(r"built in \d+ s", text)
     entries = [p.parent for p in cache.glob("*/manifest.json")]
@@ -68,8 +81,9 @@ def test_qwen_notebook_restores_an_attached_dataset(tmp_path):
                        "CACHE_DIR": str(cache), "COMPILE_CACHE": str(tmp_path / "programs"),
                        "EVAL_REFERENCE": {"quant": None, "dtype": "float32"}, "EVAL_TEXT": str(text),
                        "EVAL_CTX": 64, "EVAL_CHUNKS": 2, "EVAL_DIR": str(tmp_path / "eval")}, tmp_path,
-                      env={"ZOO_CACHE_SEARCH": str(attached)})
+                      env={"ZOO_CACHE_SEARCH": str(attached), **own_tmp(tmp_path)})
     text = outputs_text(nb)
+    assert_no_server_logs_left(tmp_path)
     assert f"restores {entry} (" in text
     assert "built in" not in text and not cache.exists()              # nothing built, nothing written
     assert text.count(f"restored from {entry} in") == 1               # the MTP server (the plain one: quiet)
