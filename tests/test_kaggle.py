@@ -24,6 +24,16 @@ def test_a_server_that_cannot_start_raises_with_its_log(tmp_path, monkeypatch):
     assert server.log_path.parent == tmp_path and "unknown model" in server.log_path.read_text()
 
 
+def test_a_start_that_fails_keeps_its_log_even_after_a_clean_exit(tmp_path, monkeypatch):
+    """``zoo serve --help`` exits 0 without a banner: a failed start, whose log is kept though the
+    process's exit status is 0 (only a server that became ready removes its log on a clean exit)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    server = kaggle.ZooServer("--help", start_timeout_s=120)
+    with pytest.raises(RuntimeError, match="did not start .*exit status 0"):
+        server.start()
+    assert server.stop() == 0 and server.log_path.exists() and server.log_path.parent == tmp_path
+
+
 def test_find_cache_names_why_an_entry_of_another_recipe_is_not_used(tmp_path, monkeypatch):
     dataset = tmp_path / "input" / "my-dataset"
     built = subprocess.run([sys.executable, "-m", "zoo", "cache", "build", "glm53-tiny", "--quant", "int8",

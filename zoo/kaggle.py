@@ -200,8 +200,9 @@ class ZooServer:
     ``start()`` returns once the server printed its banner (model loaded, port bound) and answers
     ``/health`` with 200 (after it compiled or loaded its programs); its stderr goes to ``log_path``
     (``log_tail()``). Without a ``log_path`` it writes a temporary file of its own (``zoo-serve-*.log``
-    in the temporary directory), removed by ``stop()`` when the server exits cleanly (status 0) and
-    kept, for reading, otherwise. ``load_seconds`` / ``loaded_from`` come from its "[zoo] loaded" line;
+    in the temporary directory), removed by ``stop()`` when a server that became ready exits cleanly
+    (status 0) and kept, for reading, otherwise (a start that failed or timed out keeps it, even where
+    the server it stopped drained and exited 0). ``load_seconds`` / ``loaded_from`` come from its "[zoo] loaded" line;
     ``started_at`` is when the process started (``time.time()``)."""
 
     def __init__(self, *args: str, env: dict | None = None, log_path: str | Path | None = None,
@@ -292,7 +293,8 @@ class ZooServer:
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM (the server drains and exits 0), then SIGKILL after ``timeout_s``; the exit status.
-        A log of its own is removed after a clean exit (0) and kept otherwise."""
+        A log of its own is removed after a clean exit (0) of a server that became ready, and kept
+        otherwise."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -302,7 +304,7 @@ class ZooServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.own_log and self.proc.returncode == 0:
+        if self.own_log and self.ready_at is not None and self.proc.returncode == 0:
             self.log_path.unlink(missing_ok=True)
         return self.proc.returncode
 
