@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from zoo import registry
+from zoo.api import resolve
 from zoo.models.config import load_config
 from zoo.tools import compile_report as aot
 from zoo.tools.plan import plan_config
@@ -19,6 +20,19 @@ from zoo.tools.plan import plan_config
 jax.numpy.zeros(1).block_until_ready()          # the CPU backend is in use before the target is opened
 
 GLM_LAYERS = (2, 3)                              # of the preset: a KDA layer (dense MLP), an MLA layer with the MoE
+# of glm53-tiny's 8: KDA with the dense MLP, MLA with the full indexer and MLA with the shared one (each
+# with the MoE): every kind of layer and MLP the model has, for 3/8 of its TPU compile (152 s of a whole
+# run's CPU for both programs with all 8)
+TINY_GLM_LAYERS = (0, 3, 4)
+
+
+def reduced_config(hf: dict, cfg, layers: tuple[int, ...], path):
+    """``hf`` (a config.json's dict, ``cfg`` its parsed config) with only ``layers``, written to ``path``."""
+    pick = lambda types: [types[i] for i in layers]             # noqa: E731
+    hf = {**hf, "num_hidden_layers": len(layers), "layer_types": pick(cfg.layer_types),
+          "mlp_layer_types": pick(cfg.mlp_layer_types), "indexer_types": pick(cfg.indexer_types)}
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +41,15 @@ def glm_reduced(tmp_path_factory):
     and the routed experts) and the MTP layer (a config.json only)."""
     hf = json.loads(registry.preset_path("glm53-flash.json").read_text())
     cfg = registry.preset_config(registry.get_spec("glm53-flash"))                    # the preset's layer types
-    pick = lambda types: [types[i] for i in GLM_LAYERS]             # noqa: E731
-    hf.update(num_hidden_layers=len(GLM_LAYERS), layer_types=pick(cfg.layer_types),
-              mlp_layer_types=pick(cfg.mlp_layer_types), indexer_types=pick(cfg.indexer_types))
-    path = tmp_path_factory.mktemp("glm-reduced")
-    (path / "config.json").write_text(json.dumps(hf))
-    return path
+    return reduced_config(hf, cfg, GLM_LAYERS, tmp_path_factory.mktemp("glm-reduced"))
+
+
+@pytest.fixture(scope="module")
+def glm_tiny_reduced(tmp_path_factory):
+    """glm53-tiny's config with ``TINY_GLM_LAYERS`` and its MTP layer (a config.json only)."""
+    local = resolve("glm53-tiny")
+    hf = json.loads((local / "config.json").read_text())
+    return reduced_config(hf, load_config(local), TINY_GLM_LAYERS, tmp_path_factory.mktemp("glm-tiny-reduced"))
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +64,16 @@ def cli_report():
 
 
 @pytest.mark.parametrize("name", ["glm53-tiny", "qwen38-tiny"])
-def test_quantized_tiny_models_compile_for_v5e_8(name, cli_report):
+def test_quantized_tiny_models_compile_for_v5e_8(name, cli_report, glm_tiny_reduced):
     """The server's programs compile for 8 v5e chips, through the Mosaic kernels; each decode and
-    prefill program carries its roofline, its kernels counted while it was traced. GLM: the decode
-    step with MTP drafts and the prefill chunk (the set's other programs differ from these in shapes
-    only); Qwen: ``zoo compile``'s whole default set (decode without and with drafts, both prefill
-    widths, the decode step split around grammar token masks)."""
+    prefill program carries its roofline, its kernels counted while it was traced. GLM (glm53-tiny
+    with 3 of its layers, one of each kind: ``TINY_GLM_LAYERS``): the decode step with MTP drafts and
+    the prefill chunk (the set's other programs differ from these in shapes only); Qwen: ``zoo
+    compile``'s whole default set (decode without and with drafts, both prefill widths, the decode
+    step split around grammar token masks)."""
     if name == "glm53-tiny":       # the decode step with MTP drafts and the prefill chunk (the other two
-        session = aot._open(name, "Q8_0", "v5e-8", "tp", "bfloat16")      # differ only in shapes)
+        session = aot._open(glm_tiny_reduced, "Q8_0", "v5e-8", "tp", "bfloat16")      # differ only in shapes)
+        assert session.model.config.layer_types == ("linear_attention", "indexed_attention", "indexed_attention")
         names = [p[0] for p in session.generator(2, 2, 256, 64).program_set()]
         # 256 tokens of context hold 512 slots (a piece's padding), both prefill widths
         assert names == ["decode B=2 L=512 MTP k=2", "decode B=2 L=512 MTP drafts off",
