@@ -53,13 +53,20 @@ def glm_tiny_reduced(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cli_report():
-    """``zoo compile qwen38-tiny --quant Q8_0 --context 128 --json`` (every default: the whole set)."""
+def cli_report(tmp_path_factory):
+    """``zoo compile DIR --quant Q8_0 --context 128 --json`` (every default: the whole set), DIR
+    qwen38-tiny's config with 2 of its 8 layers (a DeltaNet layer and a gated-attention one, the
+    model's alternation, and its MTP layer): 62 s of CPU against 107 s for all 8 on one core here."""
     from zoo.cli import main
 
+    local = resolve("qwen38-tiny")
+    path = tmp_path_factory.mktemp("qwen-tiny-reduced")
+    (path / "config.json").write_text(json.dumps({**json.loads((local / "config.json").read_text()),
+                                                  "num_hidden_layers": 2}))
+    assert load_config(path).layer_types == ("linear_attention", "full_attention")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["compile", "qwen38-tiny", "--quant", "Q8_0", "--context", "128", "--json"])
+        code = main(["compile", str(path), "--quant", "Q8_0", "--context", "128", "--json"])
     return code, json.loads(out.getvalue())
 
 
