@@ -125,16 +125,35 @@ CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + 
           "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def random_tiny_checkpoint(path: Path, name: str = "qwen38-tiny", template: str | None = CHATML, seed: int = 0
-                           ) -> Path:
+# Of each demo model's 8 layers, one of every kind (attention, MLP and indexer type): Qwen's alternation
+# (DeltaNet, gated attention); GLM's KDA with the dense MLP and MLA with the full and with the shared
+# indexer, both with the MoE. Every program of a random model compiles in about half the time (XLA
+# compiles the layers unrolled), and nothing a random model is used for depends on its depth.
+ONE_OF_EACH = {"qwen38-tiny": (0, 1), "glm53-tiny": (0, 3, 4)}
+PER_LAYER_KEYS = ("layer_types", "mlp_layer_types", "indexer_types")
+
+
+def with_layers(config: dict, layers: tuple[int, ...]) -> dict:
+    """A config.json's dict with only ``layers`` of its decoder layers (in order). Per-layer lists are
+    cut to them; a config without them (Qwen's ``full_attention_interval``) takes its first n layers."""
+    listed = [key for key in PER_LAYER_KEYS if isinstance(config.get(key), list)]
+    if not listed and tuple(layers) != tuple(range(len(layers))):
+        raise ValueError(f"this config gives no per-layer types: only its first layers can be kept, not {layers}")
+    return {**config, "num_hidden_layers": len(layers), **{key: [config[key][i] for i in layers] for key in listed}}
+
+
+def random_tiny_checkpoint(path: Path, name: str = "qwen38-tiny", template: str | None = CHATML, seed: int = 0,
+                           layers: tuple[int, ...] | None = None) -> Path:
     """An embedded demo model with *random* weights: its config and tokenizer, weights drawn here (the
     MTP head too: drafts are almost never accepted) and ``template`` as its chat template (None: the
     shipped one). For tests that need a model with no learned preferences: sampling spreads over the
     vocabulary, a constraint is tested against outputs the model did not learn to write, an MTP head
-    has everything to gain from fitting. The shipped demo models are trained (``tests/test_demo_models.py``)."""
+    has everything to gain from fitting. The shipped demo models are trained (``tests/test_demo_models.py``).
+    ``layers``: the decoder layers kept (None: ``ONE_OF_EACH``, one of every kind the model has)."""
     from zoo.registry import embedded_path
     src, path = embedded_path(name), Path(path)
-    write_random_checkpoint(path, json.loads((src / "config.json").read_text()), seed)
+    config = with_layers(json.loads((src / "config.json").read_text()), layers or ONE_OF_EACH[name])
+    write_random_checkpoint(path, config, seed)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, path / f)
     if template is not None:

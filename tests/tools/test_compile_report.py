@@ -11,6 +11,7 @@ import json
 import jax
 import pytest
 
+from tests.support.random_checkpoints import ONE_OF_EACH, with_layers
 from zoo import registry
 from zoo.api import resolve
 from zoo.models.config import load_config
@@ -20,10 +21,6 @@ from zoo.tools.plan import plan_config
 jax.numpy.zeros(1).block_until_ready()          # the CPU backend is in use before the target is opened
 
 GLM_LAYERS = (2, 3)                              # of the preset: a KDA layer (dense MLP), an MLA layer with the MoE
-# of glm53-tiny's 8: KDA with the dense MLP, MLA with the full indexer and MLA with the shared one (each
-# with the MoE): every kind of layer and MLP the model has, for 3/8 of its TPU compile (152 s of a whole
-# run's CPU for both programs with all 8)
-TINY_GLM_LAYERS = (0, 3, 4)
 
 
 def reduced_config(hf: dict, cfg, layers: tuple[int, ...], path):
@@ -46,10 +43,17 @@ def glm_reduced(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def glm_tiny_reduced(tmp_path_factory):
-    """glm53-tiny's config with ``TINY_GLM_LAYERS`` and its MTP layer (a config.json only)."""
-    local = resolve("glm53-tiny")
-    hf = json.loads((local / "config.json").read_text())
-    return reduced_config(hf, load_config(local), TINY_GLM_LAYERS, tmp_path_factory.mktemp("glm-tiny-reduced"))
+    """glm53-tiny's config with one layer of each kind (``ONE_OF_EACH``: KDA with the dense MLP, MLA
+    with the full and with the shared indexer, both with the MoE) and its MTP layer (a config.json
+    only): 41 s of CPU for the two programs below against 73 s with all 8 layers, on one core here."""
+    return tiny_config("glm53-tiny", tmp_path_factory.mktemp("glm-tiny-reduced"))
+
+
+def tiny_config(name: str, path):
+    """An embedded model's config.json with ``ONE_OF_EACH`` of its layers, written to ``path``."""
+    hf = json.loads((resolve(name) / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(with_layers(hf, ONE_OF_EACH[name])))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +63,7 @@ def cli_report(tmp_path_factory):
     model's alternation, and its MTP layer): 62 s of CPU against 107 s for all 8 on one core here."""
     from zoo.cli import main
 
-    local = resolve("qwen38-tiny")
-    path = tmp_path_factory.mktemp("qwen-tiny-reduced")
-    (path / "config.json").write_text(json.dumps({**json.loads((local / "config.json").read_text()),
-                                                  "num_hidden_layers": 2}))
+    path = tiny_config("qwen38-tiny", tmp_path_factory.mktemp("qwen-tiny-reduced"))
     assert load_config(path).layer_types == ("linear_attention", "full_attention")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -74,7 +75,7 @@ def cli_report(tmp_path_factory):
 def test_quantized_tiny_models_compile_for_v5e_8(name, cli_report, glm_tiny_reduced):
     """The server's programs compile for 8 v5e chips, through the Mosaic kernels; each decode and
     prefill program carries its roofline, its kernels counted while it was traced. GLM (glm53-tiny
-    with 3 of its layers, one of each kind: ``TINY_GLM_LAYERS``): the decode step with MTP drafts and
+    with 3 of its layers, one of each kind: ``glm_tiny_reduced``): the decode step with MTP drafts and
     the prefill chunk (the set's other programs differ from these in shapes only); Qwen: ``zoo
     compile``'s whole default set (decode without and with drafts, both prefill widths, the decode
     step split around grammar token masks)."""

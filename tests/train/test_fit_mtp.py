@@ -95,8 +95,8 @@ def test_overlay_round_trip_is_exact(cli_fit):
 
 def test_cli_generate_with_the_overlay(cli_fit, capsys):
     out, _ = cli_fit
-    assert main(["generate", "--quant", "Q8_0", "--mtp", str(out), "--spec", "2", "--prompt", "What is 2 + 3?",
-                 "--max-tokens", "8"]) == 0
+    assert main(["generate", "--model", TINY, "--quant", "Q8_0", "--mtp", str(out), "--spec", "2",
+                 "--prompt", "What is 2 + 3?", "--max-tokens", "8"]) == 0
     assert "MTP k=2: acceptance" in capsys.readouterr().err
     assert build_parser().parse_args(["serve", "--mtp", str(out)]).mtp == str(out)     # serve passes it to zoo.load
     assert main(["generate", "--mtp", str(out.parent / "missing"), "--prompt", "x"]) == 2
@@ -131,7 +131,7 @@ def test_a_model_without_mtp_gets_a_new_layer(no_mtp_checkpoint, tmp_path):
     start = {k: np.asarray(v) for k, v in mtp_params(train.module).items()}
     assert overlay == sorted(start) and set(paths) < set(overlay)              # a new layer is saved whole
     assert all(v.dtype == np.float32 for v in start.values())
-    q_proj = model.module.layers[7].self_attn.q_proj.kernel.get_value()
+    q_proj = model.module.layers[-1].self_attn.q_proj.kernel.get_value()
     assert isinstance(q_proj, QArray)
     assert np.array_equal(start["mtp.block.self_attn.q_proj.kernel"], q_proj.dequantize())
     assert np.array_equal(start["mtp.final_norm.weight"], np.asarray(model.module.norm.weight.get_value(), np.float32))

@@ -53,11 +53,16 @@ def run(trainer: Trainer, steps: int):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Each demo model's config and tokenizer with random weights (the shipped ones are trained: their
-    MTP heads already agree, and their loss on these batches is not a fresh model's)."""
-    return {name: zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name, template=None), dtype="float32")
-            for name in MODELS}
+def checkpoints(tmp_path_factory):
+    """Each demo model's config (one layer of each kind) and tokenizer with random weights (the shipped
+    ones are trained: their MTP heads already agree, and their loss on these batches is not a fresh
+    model's)."""
+    return {name: random_tiny_checkpoint(tmp_path_factory.mktemp(name), name, template=None) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints):
+    return {name: zoo.load(path, dtype="float32") for name, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +120,7 @@ def test_trained_mtp_drafts_are_accepted_by_the_speculative_decoder(models, trai
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_orbax_round_trip_and_safetensors_export(trained, name, tmp_path):
+def test_orbax_round_trip_and_safetensors_export(trained, checkpoints, name, tmp_path):
     trainer, state, _ = trained[name]
     path = checkpoint.save_step(tmp_path / "steps", state)
     assert checkpoint.latest(tmp_path / "steps") == path and path.name == f"step_{STEPS}"
@@ -123,8 +128,8 @@ def test_orbax_round_trip_and_safetensors_export(trained, name, tmp_path):
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)))
 
-    report = export_hf(trainer.merged(state), name, tmp_path / "export")
-    source, exported = SafetensorsSource(zoo.api.resolve(name)), SafetensorsSource(tmp_path / "export")
+    report = export_hf(trainer.merged(state), checkpoints[name], tmp_path / "export")
+    source, exported = SafetensorsSource(checkpoints[name]), SafetensorsSource(tmp_path / "export")
     assert sorted(exported.keys()) == sorted(source.keys()) and not report["copied"]
     assert all(exported.info(k).shape == source.info(k).shape for k in source.keys())
     reloaded = zoo.load(tmp_path / "export", dtype="float32")
