@@ -1,6 +1,7 @@
 """Tiny random multimodal checkpoints with an MTP layer, written by transformers' ``save_pretrained``
-(the same models as ``tests/models/{qwen38,glm53}/test_multimodal.py``, plus an ``mtp.*`` shard), and
-a greedy oracle over the model's own full forward.
+(the models of ``tests/models/{qwen38,glm53}/test_multimodal.py`` with one text layer of each kind,
+``ONE_OF_EACH``: the engine's programs compile in about half the time; plus an ``mtp.*`` shard), and a
+greedy oracle over the model's own full forward.
 
     qwen_mm_checkpoint(path) -> path        Qwen3.5 text model + 2-block tower (ids: image 5, start 3, end 4)
     glm_mm_checkpoint(path) -> path         GLM-5.3 text model + 2-block tower (image 500, start 502, end 503)
@@ -21,6 +22,7 @@ import torch
 from flax import nnx
 from safetensors.numpy import save_file
 
+from tests.support.random_checkpoints import ONE_OF_EACH, with_layers
 from zoo.engine.image_prefill import multimodal
 
 
@@ -30,7 +32,8 @@ def qwen_mm_checkpoint(path: Path) -> Path:
     from tests.models.qwen38 import reference as ref
     from tests.models.qwen38.test_multimodal import TOKENS, VISION, text_config
 
-    cfg = Qwen3_5Config(text_config=text_config(), vision_config={**VISION, "out_hidden_size": 128},
+    cfg = Qwen3_5Config(text_config=with_layers(text_config(), ONE_OF_EACH["qwen38-tiny"]),
+                        vision_config={**VISION, "out_hidden_size": 128},
                         tie_word_embeddings=False, **TOKENS)
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(cfg).eval()
@@ -52,7 +55,8 @@ def glm_mm_checkpoint(path: Path) -> Path:
     from tests.models.glm53 import reference as ref
     from tests.models.glm53.test_multimodal import TOKENS, VISION, _text_config
 
-    cfg = Glm5NextConfig(text_config=_text_config(), vision_config=VISION, **TOKENS)
+    cfg = Glm5NextConfig(text_config=with_layers(_text_config(), ONE_OF_EACH["glm53-tiny"]), vision_config=VISION,
+                         **TOKENS)
     torch.manual_seed(11)
     model = Glm5NextForConditionalGeneration(cfg).eval()
     ref.redraw_(model, seed=11)
