@@ -157,9 +157,14 @@ class ScriptedLM(nnx.Module):
         return logits, hidden, ScriptCache(inner=inner, script=script, step=step, last=last)
 
 
-def checkpoint_with_template(root: Path, template: str, context: int | None = None) -> Path:
+def checkpoint_with_template(root: Path, template: str, context: int | None = None, layers: int | None = None) -> Path:
     """A copy of the embedded tiny checkpoint whose tokenizer carries ``template`` (and whose
-    context, ``max_position_embeddings``, is ``context`` if given)."""
+    context, ``max_position_embeddings``, is ``context`` if given; with ``layers``, only its first
+    ``layers`` decoder layers, their trained weights, and its MTP layer)."""
+    from safetensors.flax import load_file, save_file          # (bfloat16, which numpy lacks)
+
+    from tests.support.random_checkpoints import with_layers
+
     src, dst = embedded_path("qwen38-tiny"), Path(root)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -167,17 +172,27 @@ def checkpoint_with_template(root: Path, template: str, context: int | None = No
     cfg = json.loads((src / "tokenizer_config.json").read_text())
     cfg["chat_template"] = template
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    config = json.loads((src / "config.json").read_text())
     if context is not None:
-        config = json.loads((src / "config.json").read_text())
         config["max_position_embeddings"] = context
-        (dst / "config.json").write_text(json.dumps(config))
+    if layers is not None:
+        config = with_layers(config, tuple(range(layers)))
+        kept = lambda name: not name.startswith("model.layers.") or int(name.split(".")[2]) < layers   # noqa: E731
+        tensors = load_file(str(src / "model.safetensors"))
+        save_file({k: v for k, v in tensors.items() if kept(k)}, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
+# The scripted model's decoder layers: its answers are scripted, so its depth only costs compile time;
+# the first two are one of each kind (a DeltaNet and a gated-attention layer, ``ONE_OF_EACH``).
+SCRIPTED_LAYERS = 2
+
+
 def scripted_model(root: Path, template: str, scripts: list[str], context: int | None = None) -> Model:
-    """The tiny model (float32) with ``template``, scripted answers ``scripts`` and, if given, a
-    ``context`` other than its own."""
-    base = zoo.load(checkpoint_with_template(root, template, context), dtype="float32")
+    """The tiny model (float32; its first ``SCRIPTED_LAYERS`` layers) with ``template``, scripted
+    answers ``scripts`` and, if given, a ``context`` other than its own."""
+    base = zoo.load(checkpoint_with_template(root, template, context, SCRIPTED_LAYERS), dtype="float32")
     tok = base.tokenizer
     module = ScriptedLM(base.module, [tok.encode(s) for s in scripts], mark=tok.token_to_id(MARK),
                         first_letter=tok.encode("A")[0], eos=tok.eos_token_ids[0])
