@@ -1,7 +1,7 @@
 """Test fixtures for the server: chat templates in the Qwen3.x and GLM styles, and a *scripted*
 tiny model that says a chosen text, so tool calls and reasoning can be tested end to end.
 
-``ScriptedLM`` wraps the embedded tiny model: a prompt holding ``<|endoftext|>`` followed by a
+``ScriptedLM`` wraps the embedded tiny model (its first ``SCRIPTED_LAYERS`` layers): a prompt holding ``<|endoftext|>`` followed by a
 letter (``say(i)``) makes it generate the tokens of ``scripts[i]`` and then end its turn, by
 forcing its logits inside the jitted forward; any other prompt gets the tiny model's own output.
 The tokens still go through the real engine (prefill, batching, decode, callbacks), the real
