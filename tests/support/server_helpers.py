@@ -1,11 +1,11 @@
 """Test fixtures for the server: chat templates in the Qwen3.x and GLM styles, and a *scripted*
 tiny model that says a chosen text, so tool calls and reasoning can be tested end to end.
 
-``ScriptedLM`` wraps the embedded tiny model (its first ``SCRIPTED_LAYERS`` layers): a prompt holding ``<|endoftext|>`` followed by a
-letter (``say(i)``) makes it generate the tokens of ``scripts[i]`` and then end its turn, by
-forcing its logits inside the jitted forward; any other prompt gets the tiny model's own output.
-The tokens still go through the real engine (prefill, batching, decode, callbacks), the real
-detokenizer and the real parsers.
+``ScriptedLM`` wraps the embedded tiny model (its first ``SCRIPTED_LAYERS`` layers): a prompt
+holding ``<|endoftext|>`` followed by a letter (``say(i)``) makes it generate the tokens of
+``scripts[i]`` and then end its turn, by forcing its logits inside the jitted forward; any other
+prompt gets the tiny model's own output. The tokens still go through the real engine (prefill,
+batching, decode, callbacks), the real detokenizer and the real parsers.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def checkpoint_with_template(root: Path, template: str, context: int | None = No
     """A copy of the embedded tiny checkpoint whose tokenizer carries ``template`` (and whose
     context, ``max_position_embeddings``, is ``context`` if given; with ``layers``, only its first
     ``layers`` decoder layers, their trained weights, and its MTP layer)."""
-    from safetensors.flax import load_file, save_file          # (bfloat16, which numpy lacks)
+    from safetensors.flax import load_file, save_file  # (bfloat16, which numpy lacks)
 
     from tests.support.random_checkpoints import with_layers
 
