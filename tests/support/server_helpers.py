@@ -168,7 +168,8 @@ def checkpoint_with_template(root: Path, template: str, context: int | None = No
     src, dst = embedded_path("qwen38-tiny"), Path(root)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
+        if layers is None or f.name != "model.safetensors":        # (cut below)
+            shutil.copy(f, dst / f.name)
     cfg = json.loads((src / "tokenizer_config.json").read_text())
     cfg["chat_template"] = template
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg))

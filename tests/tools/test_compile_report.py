@@ -23,12 +23,9 @@ jax.numpy.zeros(1).block_until_ready()          # the CPU backend is in use befo
 GLM_LAYERS = (2, 3)                              # of the preset: a KDA layer (dense MLP), an MLA layer with the MoE
 
 
-def reduced_config(hf: dict, cfg, layers: tuple[int, ...], path):
-    """``hf`` (a config.json's dict, ``cfg`` its parsed config) with only ``layers``, written to ``path``."""
-    pick = lambda types: [types[i] for i in layers]             # noqa: E731
-    hf = {**hf, "num_hidden_layers": len(layers), "layer_types": pick(cfg.layer_types),
-          "mlp_layer_types": pick(cfg.mlp_layer_types), "indexer_types": pick(cfg.indexer_types)}
-    (path / "config.json").write_text(json.dumps(hf))
+def write_reduced(hf: dict, layers: tuple[int, ...], path):
+    """``hf`` (a config.json's dict) with only ``layers`` (``with_layers``), written to ``path``."""
+    (path / "config.json").write_text(json.dumps(with_layers(hf, layers)))
     return path
 
 
@@ -37,8 +34,7 @@ def glm_reduced(tmp_path_factory):
     """GLM-5.3-Flash at full width with two of its layers (KDA with a dense MLP; MLA with the indexer
     and the routed experts) and the MTP layer (a config.json only)."""
     hf = json.loads(registry.preset_path("glm53-flash.json").read_text())
-    cfg = registry.preset_config(registry.get_spec("glm53-flash"))                    # the preset's layer types
-    return reduced_config(hf, cfg, GLM_LAYERS, tmp_path_factory.mktemp("glm-reduced"))
+    return write_reduced(hf, GLM_LAYERS, tmp_path_factory.mktemp("glm-reduced"))
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +47,7 @@ def glm_tiny_reduced(tmp_path_factory):
 
 def tiny_config(name: str, path):
     """An embedded model's config.json with ``ONE_OF_EACH`` of its layers, written to ``path``."""
-    hf = json.loads((resolve(name) / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(with_layers(hf, ONE_OF_EACH[name])))
-    return path
+    return write_reduced(json.loads((resolve(name) / "config.json").read_text()), ONE_OF_EACH[name], path)
 
 
 @pytest.fixture(scope="module")
