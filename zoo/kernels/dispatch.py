@@ -150,3 +150,11 @@ def quantized_moe(x, weights, ids, gate_bank, up_bank, down_bank, limit):
     banks = (gate_bank, up_bank, down_bank)
     impl = moe_impl(x.shape[0], ids.shape[1], banks, current_policy())
     return impl(x, weights, ids, *banks, limit)
+
+
+def attention_kernel() -> dict | None:
+    """How a length-aware attention is computed under the current policy: the Pallas kernel's
+    options (``zoo.kernels.ragged_attention``; ``{"interpret": ..}``) on the "tpu" backend, None
+    (the jnp key blocks of ``zoo.models.shared.filled_blocks``) on every other."""
+    policy = current_policy()
+    return {"interpret": policy.interpret} if backend_of(policy) == "tpu" else None

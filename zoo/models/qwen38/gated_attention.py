@@ -16,6 +16,7 @@ in as a ``Slots`` (built once per forward by the model).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -23,6 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from zoo.kernels import ragged_attention as ragged
+from zoo.kernels.dispatch import attention_kernel
 from zoo.models.shared.filled_blocks import (
     F32_MIN,
     block_at,
@@ -144,6 +147,9 @@ def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
     splits the cache over its slots, each chip reads the filled blocks of its own share and the
     partial results are combined across chips (:func:`split_filled_attention`)."""
     spec = current_spec(KVCache.AXES["k"], k.shape)
+    kernel = attention_kernel()
+    if kernel is not None and _kernel_takes(k, v, spec):
+        return kernel_attention(q, k, v, slots, scale, spec, **kernel)
     if spec is not None and spec[2] is not None:
         return split_filled_attention(q, k, v, slots, scale, spec)
     b, t, h, dk = q.shape
@@ -205,6 +211,65 @@ def split_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axi
     block, n_blocks, first = local_blocks(write_at, q.shape[1], share, jax.lax.axis_index(axis), live)
     softmax = functools.partial(split_online_softmax, axis)
     return _blocked_attention(q, k, v, key_valid, query_slot, scale, n_blocks, block, first, softmax)
+
+
+def _share(k: jax.Array, spec: P | None) -> int:
+    """Slots of the cache one chip holds (the whole window unless ``spec`` splits the slots)."""
+    if spec is None or spec[2] is None:
+        return k.shape[2]
+    names = spec[2] if isinstance(spec[2], tuple) else (spec[2],)
+    mesh = jax.sharding.get_abstract_mesh()
+    return k.shape[2] // math.prod(mesh.shape[a] for a in names)
+
+
+def _kernel_takes(k: jax.Array, v: jax.Array, spec: P | None) -> bool:
+    """Whether the Pallas kernel computes this call: a window of at least two blocks of the
+    narrowest width (else the jnp whole-window product), blocks the kernel takes."""
+    share = _share(k, spec)
+    if spec is None and key_block(share) is None:
+        return False
+    return ragged.supported(share, kernel_block(share), k.shape[-1], v.shape[-1])
+
+
+def kernel_block(share: int) -> int:
+    """Slots per key block of the kernel for a share of ``share`` slots: ``key_block``'s width (its
+    last block may run past the share: ``zoo.kernels.ragged_attention``), or the share whole."""
+    return key_block(share) or share
+
+
+def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float, spec: P | None,
+                     *, interpret: bool = False) -> jax.Array:
+    """:func:`filled_attention` by the Pallas kernel (``zoo.kernels.ragged_attention``): each row
+    reads its own filled key blocks, not the batch's longest. Under a mesh it runs in ``shard_map``:
+    rows and heads as the cache is split, and where the slots are split each chip reads its share
+    and the partial sums are combined across the axis. Shapes as :func:`grouped_attention`."""
+    local = functools.partial(kernel_attention_share, axis=None if spec is None else spec[2], scale=scale,
+                              interpret=interpret)
+    args = (q, k, v, slots.key_valid, slots.query_slot, slots.write_at, slots.live)
+    if spec is None:
+        return local(*args)
+    heads = P(spec[0], None, spec[1], None)
+    rows = P(spec[0])
+    return jax.shard_map(local, in_specs=(heads, spec, spec, P(spec[0], spec[2]), P(spec[0], None), rows, rows),
+                         out_specs=heads, check_vma=False)(*args)
+
+
+def kernel_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axis: str | None, scale: float,
+                           interpret: bool = False):
+    """One chip's part of :func:`kernel_attention` (the whole call where ``axis`` is None): ``k, v
+    [B, G, S, D]`` and ``key_valid [B, S]`` its share of the slots; returns ``[B, T, H, Dv]``."""
+    b, t, h, dk = q.shape
+    g, share, dv = k.shape[1], k.shape[2], v.shape[-1]
+    r = h // g
+    block = kernel_block(share)
+    first = 0 if axis is None else jax.lax.axis_index(axis) * share
+    n_blocks = ragged.row_blocks(write_at, t, live, share, block, first)
+    qg = jnp.moveaxis(q.reshape(b, t, g, r, dk), 1, 3).reshape(b, g, r * t, dk)     # query row r * T + t
+    query_rows = jnp.tile(query_slot, (1, r))
+    m, l, acc = ragged.ragged_attention(qg, k, v, key_valid, query_rows, n_blocks, first, block=block,  # noqa: E741
+                                        scale=scale, interpret=interpret)
+    out = ragged.finish(m, l, acc) if axis is None else ragged.combine(m, l, acc, axis)
+    return jnp.moveaxis(out.reshape(b, g, r, t, dv), 3, 1).reshape(b, t, h, dv).astype(q.dtype)
 
 
 class GatedAttention(nnx.Module):

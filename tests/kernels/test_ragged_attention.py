@@ -1,0 +1,205 @@
+"""The length-aware attention kernel (``zoo.kernels.ragged_attention``): the Pallas body (interpret
+mode) equals its jnp reference; each row reads only its own filled blocks, whatever the other rows
+hold; Qwen's gated attention through it equals the whole-window reference, on one device and with
+the cache split over 8 chips by its slots; and the real TPU compiler (Mosaic) accepts it at
+Qwen3.8-27B's shapes on a v5e-8."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.models.qwen38.test_filled_attention import case
+from tests.support.helpers import rel_err
+from zoo.kernels import ragged_attention as ra
+from zoo.kernels.census import kernel_census
+from zoo.kernels.dispatch import Policy, use_policy
+from zoo.models.qwen38 import gated_attention as ga
+
+TPU_INTERPRET = Policy(backend="tpu", interpret=True)
+
+
+def kernel_inputs(rows, cache_rows, g, m, share, d, write_at, t, live, first=0, seed=0):
+    """Random q/k/v; row b's slots filled up to ``write_at[b] + t`` (global slots, the share starting
+    at ``first``), slot 3 of every row empty; its query rows at its last ``t`` slots."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((rows, g, m, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((cache_rows, g, share, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((cache_rows, g, share, d)), jnp.float32)
+    slot = first + jnp.arange(share)[None, :]
+    write_at = jnp.asarray(write_at + [0] * (cache_rows - rows), jnp.int32)
+    valid = (slot < write_at[:, None] + t) & (slot != 3)
+    query_slot = jnp.tile(write_at[:rows, None] + jnp.arange(t)[None, :], (1, m // t))
+    return q, k, v, valid, query_slot, write_at[:rows], jnp.asarray(live)
+
+
+@pytest.mark.parametrize("rows,cache_rows,m,share,write_at,t,live,first", [
+    (3, 3, 2, 1024, [5, 300, 900], 1, [True, True, True], 0),        # decode, three fill levels
+    (3, 4, 6, 1024, [5, 600, 900], 3, [True, True, False], 0),       # a verify; an idle row; a wider cache
+    (2, 2, 8, 512, [4000, 700], 4, [True, True], 3584),              # a chip's share: one row before it
+    (1, 1, 48, 1024, [100], 16, [True], 0),                          # a prefill piece, several query blocks
+    (2, 2, 4, 1100, [1095, 300], 2, [True, True], 0),                # the last block runs past the share
+    (2, 3, 2, 4128, [8250, 4500], 1, [True, True], 4128),            # Qwen3.8-27B's share: 4,128 slots a chip
+])
+def test_kernel_equals_reference(monkeypatch, rows, cache_rows, m, share, write_at, t, live, first):
+    monkeypatch.setattr(ra, "Q_BLOCK", 16)                           # 48 query rows: 3 blocks of 16
+    q, k, v, valid, qs, w, lv = kernel_inputs(rows, cache_rows, 2, m, share, 32, write_at, t, live, first)
+    n_blocks = ra.row_blocks(w, t, lv, share, 256, first)
+    ours = ra.ragged_attention(q, k, v, valid, qs, n_blocks, first, block=256, scale=0.2, interpret=True)
+    ref = ra.reference_attention(q, k, v, valid, qs, n_blocks, first, block=256, scale=0.2)
+    for a, b, name in zip(ours, ref, ("m", "l", "acc")):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-5, err_msg=name)
+    # the whole-window softmax for the live rows' real queries
+    out = np.asarray(ra.finish(*ours))
+    scores = jnp.einsum("bgmd,bgsd->bgms", q, k[:rows]) * 0.2
+    visible = valid[:rows, None, :] & (first + jnp.arange(share)[None, None, :] <= qs[:, :, None])
+    whole = jnp.einsum("bgms,bgsd->bgmd", jax.nn.softmax(jnp.where(visible[:, None], scores, -jnp.inf), -1),
+                       v[:rows])
+    reads = np.asarray(lv) & (np.asarray(n_blocks) > 0)
+    assert reads.any()
+    assert rel_err(out[reads], np.asarray(whole)[reads]) <= 1e-6
+    assert (out[~reads] == 0).all()                                   # a row that reads nothing: zeros
+
+
+def test_row_blocks():
+    assert ra.row_blocks(jnp.asarray([0, 511, 512, 4000, 9000]), 1, jnp.asarray([True] * 5), 8192, 512,
+                         0).tolist() == [1, 1, 2, 8, 16]
+    assert ra.row_blocks(jnp.asarray([4000, 4000]), 1, jnp.asarray([True, False]), 4096, 512, 0).tolist() == [8, 0]
+    # a chip's share from slot 4096: a row that ends before it reads nothing, one past it reads its part
+    assert ra.row_blocks(jnp.asarray([100, 4096, 5000, 9000]), 1, jnp.asarray([True] * 4), 4096, 512,
+                         4096).tolist() == [0, 1, 2, 8]
+    # the key block each grid step brings in: past a row's count, its last block again (no new DMA)
+    assert [int(ra.block_read(j, 3)) for j in range(6)] == [0, 1, 2, 2, 2, 2]
+    assert [int(ra.block_read(j, 0)) for j in range(3)] == [0, 0, 0]
+    assert ra.query_block(6) == 6 and ra.query_block(6144) == 1024 and ra.query_block(1500) == 1500
+
+
+def test_each_row_reads_only_its_own_blocks():
+    """Keys and values past each row's filled blocks are NaN: the kernel's result is finite and equal
+    to the one with clean values, so no row computed with a block past its own fill, although the
+    other row reaches 6 blocks further. The jnp blocks visit the longest row's blocks for every row,
+    so the same input gives the short row NaN there."""
+    q, k, v, valid, qs, w, lv = kernel_inputs(2, 2, 2, 2, 4096, 32, [60, 3000], 1, [True, True])
+    n_blocks = ra.row_blocks(w, 1, lv, 4096, 512, 0)
+    assert n_blocks.tolist() == [1, 6]
+    past = jnp.arange(4096)[None, None, :, None] >= (n_blocks * 512)[:, None, None, None]
+    k_nan, v_nan = jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
+    run = functools.partial(ra.ragged_attention, block=512, scale=0.2, interpret=True)
+    clean = ra.finish(*run(q, k, v, valid, qs, n_blocks, 0))
+    dirty = ra.finish(*run(q, k_nan, v_nan, valid, qs, n_blocks, 0))
+    assert np.isfinite(np.asarray(dirty)).all()
+    assert np.array_equal(np.asarray(dirty), np.asarray(clean))
+    with_jnp = ra.reference_attention(q, k_nan, v_nan, valid, qs, jnp.maximum(n_blocks, 6), 0, block=512, scale=0.2)
+    assert np.isnan(np.asarray(ra.finish(*with_jnp))[0]).all()
+
+
+@pytest.mark.parametrize("length,filled,t,live", [(1024, [300, 40], 1, (True, True)),
+                                                  (1024, [511, 3], 2, (True, True)),
+                                                  (4096, [1500, 20], 64, (True, True)),
+                                                  (768, [700, 10], 4, (True, True)),
+                                                  (4096, [60, 3000], 1, (True, False)),
+                                                  # windows no block width divides: the last block runs past
+                                                  (1100, [1000, 1090], 5, (True, True)),
+                                                  (4128, [4100, 3000], 20, (True, True))])
+def test_gated_attention_through_the_kernel(length, filled, t, live):
+    """``filled_attention`` under the TPU policy (the kernel, interpret mode) equals the whole-window
+    reference for every live row, and is finite for an idle one."""
+    q, k, v, slots = case(length, filled, t, live=live)
+    with use_policy(TPU_INTERPRET), kernel_census() as calls:
+        ours = jax.jit(ga.filled_attention, static_argnums=4)(q, k, v, slots, 16 ** -0.5)
+    assert [c.kernel for c in calls] == ["ragged_attention"]
+    ref = ga.grouped_attention(q, k, v, ga.attention_mask(slots), 16 ** -0.5)
+    rows = np.asarray(live)
+    assert rel_err(np.asarray(ours)[rows], np.asarray(ref)[rows]) <= 1e-6
+    assert np.isfinite(np.asarray(ours)).all()
+
+
+@pytest.mark.parametrize("length,filled,t,live", [(8 * 1024, [5000, 1200], 3, (True, True)),
+                                                  (8 * 512, [600, 30], 1, (True, False)),
+                                                  (8 * 128, [0, 100], 40, (True, True)),
+                                                  (8 * 1100, [5000, 1200], 2, (True, True))])
+def test_split_over_chips_through_the_kernel(length, filled, t, live):
+    """The cache split over 8 chips by its slots (``vmap`` over a named axis, the collectives as under
+    ``shard_map``): each chip's kernel reads its share's filled blocks for each row, the partial sums
+    are combined, and every chip holds the whole-window result."""
+    n = 8
+    q, k, v, slots = case(length, filled, t, seed=4, live=live)
+    share = length // n
+    shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], n, share, *a.shape[axis + 1:]), axis, 0)  # noqa: E731
+    chip = jax.vmap(lambda k, v, valid: ga.kernel_attention_share(
+        q, k, v, valid, slots.query_slot, slots.write_at, slots.live, axis="tp", scale=16 ** -0.5, interpret=True),
+        axis_name="tp")
+    out = jax.jit(chip)(shares(k, 2), shares(v, 2), shares(slots.key_valid, 1))
+    ref = ga.grouped_attention(q, k, v, ga.attention_mask(slots), 16 ** -0.5)
+    rows = np.asarray(live)
+    for c in range(n):
+        assert rel_err(np.asarray(out[c])[rows], np.asarray(ref)[rows]) <= 1e-6, c
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_tpu_compiler_takes_it_at_full_size():
+    """Qwen3.8-27B's attention at 3 rows in its 33,024-slot window on a v5e-8 (24 query heads, 4 KV
+    heads of 256, the slots split over the 8 chips: 4,128 each): the real TPU compiler builds the
+    kernel inside ``shard_map``; per chip it is 4 x 3 x 9 grid steps of 512 slots (the ninth runs past
+    the share), 54 MiB of keys and values at the most, and the program holds no copy of the cache
+    (temporaries under 1 MiB)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zoo.tools.compile_report import target_devices
+    from zoo.tools.targets import get_target
+    mesh = Mesh(np.asarray(target_devices(get_target("v5e-8"))), ("tp",))
+    b, t, h, g, d, length = 3, 1, 24, 4, 256, 33024
+    spec = P(None, None, "tp", None)
+
+    def arg(shape, dtype, s=P()):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
+
+    def attend(q, k, v, key_valid, query_slot, write_at, live):
+        slots = ga.Slots(write_at, key_valid, query_slot, live, None, None)
+        return ga.kernel_attention(q, k, v, slots, d ** -0.5, spec)
+
+    args = (arg((b, t, h, d), jnp.bfloat16), arg((b, g, length, d), jnp.bfloat16, spec),
+            arg((b, g, length, d), jnp.bfloat16, spec), arg((b, length), jnp.bool_, P(None, "tp")),
+            arg((b, t), jnp.int32), arg((b,), jnp.int32), arg((b,), jnp.bool_))
+    with jax.set_mesh(mesh), kernel_census() as calls:
+        compiled = jax.jit(attend).lower(*args).compile()
+    assert [(c.kernel, c.steps, c.weight_bytes) for c in calls] == [("ragged_attention", 4 * 3 * 9, 54 << 20)]
+    assert compiled.memory_analysis().temp_size_in_bytes < 1 << 20
+
+
+@pytest.fixture(scope="module")
+def random_qwen(tmp_path_factory):
+    """qwen38-tiny with random weights, one DeltaNet and one gated-attention layer, float32."""
+    import zoo
+    from tests.support.random_checkpoints import random_tiny_checkpoint
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-qwen")), dtype="float32")
+
+
+@pytest.mark.parametrize("spec_tokens", [0, 2])
+def test_engine_on_the_kernel_equals_the_jnp_path(random_qwen, spec_tokens):
+    """The engine in a 1,024-token window, two requests of 40 and 700 prompt tokens decoding side by
+    side (plain, and verifying 2 MTP drafts a step): its programs traced under the TPU policy run the
+    kernel (interpret mode) in every gated-attention call, and the greedy tokens and their logprobs
+    equal the jnp path's."""
+    from zoo.engine.generator import Generator
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(10, 200, n).tolist() for n in (40, 700)]
+    opts = dict(max_new_tokens=6, logprobs=0)
+    make = functools.partial(Generator, random_qwen, context=1024, max_batch=2, spec_tokens=spec_tokens,
+                             spec_policy="fixed", prefix_cache=0, narrow_rows=0)
+    plain = make().generate(prompts, **opts)
+    jax.clear_caches()              # the engine's jitted programs keep the policy they were traced with
+    try:
+        with use_policy(TPU_INTERPRET), kernel_census() as calls:
+            ours = make().generate(prompts, **opts)
+    finally:
+        jax.clear_caches()
+    assert calls and {c.kernel for c in calls} == {"ragged_attention"}
+    for a, b in zip(ours, plain):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose([r.logprob for r in a.logprobs], [r.logprob for r in b.logprobs], atol=1e-5)

@@ -1,0 +1,200 @@
+"""Attention over the filled part of each row's slot cache: a Pallas TPU kernel with per-row lengths
+that skips empty key blocks (flash-decoding style), and its jnp reference.
+
+    ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block, scale) -> (m, l, acc)
+        q           [B, G, M, Dk]    M query rows per KV head (the R heads of a group times T tokens)
+        k, v        [Bc, G, S, Dk] / [Bc, G, S, Dv]   a cache (or one chip's share of S of its slots);
+                                     it may hold more rows than the call (Bc >= B): the call's are its first
+        key_valid   [Bc, S] bool     the slot holds a token
+        query_slot  [B, M] int32     the global slot of each query row (it reads slots <= its own)
+        n_blocks    [B] int32        key blocks row b reads: blocks 0 .. n_blocks[b]-1 of ``block`` slots
+        first       int32 scalar     the global slot of the share's slot 0
+      -> m, l  float32 [B, G, M]      running max of the scores, sum of exp(score - m)
+         acc   float32 [B, G, M, Dv]  sum of exp(score - m) * v
+    row_blocks(write_at [B], t, live [B], share, block, first) -> n_blocks [B]
+    finish(m, l, acc) -> acc / l      (0 for a query row that read nothing)
+    reference_attention(...)          the same contract in jnp (the blocks each row reads, masked)
+
+Row b reads its own ``n_blocks[b]`` blocks, not the batch's longest: in the grid ``(row, KV head,
+query block, key block)`` a key block past a row's count maps (``index_map``) to the row's last
+block, which is already resident, so the pipeline moves nothing for it, and its compute is skipped
+(``pl.when``). A step's cost therefore follows the tokens each row holds: a row at 4k of a 32k
+window reads 4k of keys whatever the other rows hold. The block count comes in by scalar prefetch,
+so one program serves every fill level.
+
+Scores and the softmax are float32; the values are mixed in v's dtype with float32 accumulation, as
+``zoo.models.qwen38.gated_attention.grouped_attention`` does. A query row with no visible key in the
+blocks it reads (padding) averages them, as ``zoo.models.shared.filled_blocks.online_softmax`` does;
+one that reads no block gets ``l = 0`` (:func:`finish` gives 0).
+
+Shapes the kernel takes (:func:`supported`): ``block`` a multiple of 128 and at most ``S`` (a key block
+is whole in the head dims, so any head dim is legal). Where ``block`` does not divide ``S`` (Qwen3.8-27B's
+33,024-slot window is 4,128 slots a chip), the last block runs past the share: its slots there are
+masked out and their values zeroed (whatever the buffer holds past the array; interpret mode fills it
+with NaN, which the tests rely on). The caller falls back to the jnp blocks otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from zoo.kernels.census import record
+from zoo.ops.matmul import precision_for
+
+F32 = jnp.float32
+F32_MIN = jnp.finfo(jnp.float32).min
+LANES = 128
+Q_BLOCK = 1024           # query rows per grid step, at most (a prefill chunk's R x T rows are split; each
+                         # query block reads the row's keys again)
+
+
+def supported(share: int, block: int, dk: int, dv: int) -> bool:
+    """Whether the kernel takes a share of ``share`` slots in blocks of ``block`` with head dims ``dk, dv``."""
+    return block % LANES == 0 and share >= block and dk > 0 and dv > 0
+
+
+def row_blocks(write_at: jax.Array, t: int, live: jax.Array, share: int, block: int, first) -> jax.Array:
+    """int32 [B]: the key blocks of a share (``share`` slots from global slot ``first``) that row b
+    reads after a call of ``t`` tokens written at ``write_at[b]``: those up to its last slot
+    ``write_at[b] + t - 1``; none for a row without a real token in the call (``live[b]`` False) or
+    whose slots all lie before the share."""
+    reach = jnp.where(live, write_at + t, 0) - first
+    return jnp.clip(-(-reach // block), 0, -(-share // block)).astype(jnp.int32)
+
+
+def block_read(j, n_blocks):
+    """The key block grid step ``j`` brings in for a row that reads ``n_blocks``: block ``j`` up to the
+    row's last one, then that last one again (the block already resident, so the pipeline moves
+    nothing for the steps past the row's fill); block 0 for a row that reads none."""
+    return jnp.minimum(j, jnp.maximum(n_blocks - 1, 0))
+
+
+def query_block(m: int) -> int:
+    """Query rows per grid step: all ``m`` up to :data:`Q_BLOCK`, else the largest divisor of ``m``
+    that is a multiple of 8 and at most :data:`Q_BLOCK` (``m`` itself if there is none)."""
+    if m <= Q_BLOCK:
+        return m
+    return next((d for d in range(Q_BLOCK, 7, -8) if m % d == 0), m)
+
+
+def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float,
+                     interpret: bool = False):
+    """The kernel (module docstring); ``(m [B, G, M], l [B, G, M], acc [B, G, M, Dv])``, float32."""
+    b, g, m, dk = q.shape
+    share, dv = k.shape[2], v.shape[-1]
+    if not supported(share, block, dk, dv):
+        raise ValueError(f"ragged_attention: a share of {share} slots in blocks of {block} with head dims "
+                         f"{dk}/{dv} (needs multiples of 128, the share a multiple of the block)")
+    mq = query_block(m)
+    n_q, n_k = m // mq, -(-share // block)
+    valid = key_valid.astype(jnp.int32)[:, None, :]                       # [Bc, 1, S]
+    slots = query_slot.astype(jnp.int32)[:, :, None]                      # [B, M, 1]
+    first = jnp.reshape(jnp.asarray(first, jnp.int32), (1,))
+
+    def last(j, row, nb):
+        return block_read(j, nb[row])
+
+    q_spec = pl.BlockSpec((None, None, mq, dk), lambda r, h, i, j, nb, f: (r, h, i, 0))
+    k_spec = pl.BlockSpec((None, None, block, dk), lambda r, h, i, j, nb, f: (r, h, last(j, r, nb), 0))
+    v_spec = pl.BlockSpec((None, None, block, dv), lambda r, h, i, j, nb, f: (r, h, last(j, r, nb), 0))
+    valid_spec = pl.BlockSpec((None, 1, block), lambda r, h, i, j, nb, f: (r, 0, last(j, r, nb)))
+    slot_spec = pl.BlockSpec((None, mq, 1), lambda r, h, i, j, nb, f: (r, i, 0))
+    stat_spec = pl.BlockSpec((None, None, mq, LANES), lambda r, h, i, j, nb, f: (r, h, i, 0))
+    acc_spec = pl.BlockSpec((None, None, mq, dv), lambda r, h, i, j, nb, f: (r, h, i, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(b, g, n_q, n_k),
+        in_specs=[q_spec, k_spec, v_spec, valid_spec, slot_spec],
+        out_specs=[stat_spec, stat_spec, acc_spec],
+        scratch_shapes=[pltpu.VMEM((mq, LANES), F32), pltpu.VMEM((mq, LANES), F32), pltpu.VMEM((mq, dv), F32)])
+    itemsize = k.dtype.itemsize
+    step_bytes = block * (dk + dv) * itemsize
+    record("ragged_attention", b * g * n_q * n_k, step_bytes, b * g * n_q * n_k * step_bytes)
+    vmem = (2 * (mq * dk * q.dtype.itemsize + step_bytes + block * 4 + mq * 4 + mq * (2 * LANES + dv) * 4)
+            + mq * (2 * LANES + dv) * 4 + 4 * mq * block * 4)
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                                  vmem_limit_bytes=None if vmem <= 12 << 20 else min(100 << 20, vmem * 3 // 2))
+    kernel = functools.partial(_kernel, block=block, scale=scale, n_k=n_k, share=share)
+    m_out, l_out, acc = pl.pallas_call(
+        kernel, grid_spec=grid_spec, compiler_params=params, interpret=interpret,
+        out_shape=[jax.ShapeDtypeStruct((b, g, m, LANES), F32), jax.ShapeDtypeStruct((b, g, m, LANES), F32),
+                   jax.ShapeDtypeStruct((b, g, m, dv), F32)],
+    )(n_blocks.astype(jnp.int32), first, q, k, v, valid, slots)
+    return m_out[..., 0], l_out[..., 0], acc
+
+
+def _kernel(nb_ref, first_ref, q_ref, k_ref, v_ref, valid_ref, slot_ref, m_ref, l_ref, acc_ref,
+            m_sc, l_sc, acc_sc, *, block: int, scale: float, n_k: int, share: int):
+    row, j = pl.program_id(0), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _():
+        m_sc[...] = jnp.full(m_sc.shape, F32_MIN, F32)
+        l_sc[...] = jnp.zeros(l_sc.shape, F32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
+
+    @pl.when(j < nb_ref[row])
+    def _():
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]
+        s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=precision_for(q.dtype),
+                                preferred_element_type=F32) * scale                  # [Mq, block]
+        local = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        inside = local < share                      # a last block past the share: the rest is not the cache's
+        visible = inside & (valid_ref[...] != 0) & (first_ref[0] + local <= slot_ref[...])   # [1, block] x [Mq, 1]
+        if share % block:
+            rows_inside = j * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < share
+            v = jnp.where(rows_inside, v, jnp.zeros_like(v))                        # whatever it holds, 0 weight
+        s = jnp.where(visible, s, F32_MIN)
+        m_prev = m_sc[...]                                                           # [Mq, 128], lanes equal
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+        p = jnp.exp(s - m_new[:, :1])
+        keep = jnp.exp(m_prev - m_new)
+        l_sc[...] = l_sc[...] * keep + jnp.sum(p, axis=-1, keepdims=True)
+        mix = jnp.dot(p.astype(v.dtype), v, precision=precision_for(v.dtype), preferred_element_type=F32)
+        acc_sc[...] = acc_sc[...] * keep[:, :1] + mix
+        m_sc[...] = m_new
+
+    @pl.when(j == n_k - 1)
+    def _():
+        m_ref[...] = m_sc[...]
+        l_ref[...] = l_sc[...]
+        acc_ref[...] = acc_sc[...]
+
+
+def finish(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:        # noqa: E741
+    """``acc / l`` float32 ``[..., Dv]``; 0 where a query row read no block (``l = 0``)."""
+    del m
+    return acc / jnp.where(l == 0, 1.0, l)[..., None]
+
+
+def combine(m: jax.Array, l: jax.Array, acc: jax.Array, axis: str) -> jax.Array:  # noqa: E741
+    """:func:`finish` over the shares of mesh ``axis`` (inside ``shard_map``): each chip's running
+    max, sum and values rescaled to the global max and summed. Every chip returns the whole result."""
+    m_all = jax.lax.pmax(m, axis)
+    keep = jnp.exp(m - m_all)
+    return finish(m_all, jax.lax.psum(l * keep, axis), jax.lax.psum(acc * keep[..., None], axis))
+
+
+def reference_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float):
+    """jnp twin of :func:`ragged_attention`: the whole share at once, each row masked to its own
+    ``n_blocks`` blocks; the same ``(m, l, acc)``."""
+    b, g, m, dk = q.shape
+    share = k.shape[2]
+    k, v, key_valid = k[:b], v[:b], key_valid[:b]
+    s = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), precision=precision_for(q.dtype),
+                   preferred_element_type=F32) * scale
+    local = jnp.arange(share, dtype=jnp.int32)
+    read = local[None, :] < (n_blocks * block)[:, None]                              # [B, S] blocks the row reads
+    visible = key_valid[:, None, :] & (first + local[None, None, :] <= query_slot[:, :, None])   # [B, M, S]
+    s = jnp.where(visible[:, None], s, F32_MIN)
+    s = jnp.where(read[:, None, None, :], s, -jnp.inf)                               # unread: outside the softmax
+    m_out = jnp.max(s, axis=-1)
+    m_out = jnp.where(jnp.isneginf(m_out), F32_MIN, m_out)
+    p = jnp.exp(s - m_out[..., None])
+    acc = jnp.einsum("bgms,bgsd->bgmd", p.astype(v.dtype), v, precision=precision_for(v.dtype),
+                     preferred_element_type=F32)
+    return m_out, p.sum(axis=-1), acc
