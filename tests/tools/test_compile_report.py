@@ -188,6 +188,14 @@ def test_roofline_arithmetic():
     assert r["pallas"]["grid_steps"] == 10 and r["pallas"]["weight_bytes"] == 9000
     assert r["pallas"]["estimate_s"] == 10 * STEP_OVERHEAD_S + 9000 / 819e9
     assert r["pallas"]["by_kernel"]["a"] == {"calls": 2, "steps": 8, "weight_bytes": 8000}
+    # the attention kernel over a cache: 9 blocks of 512 a row (the last runs past 4,128 slots); at a fill
+    # it moves the blocks up to the fill (at least one), a weight kernel the same at every fill
+    attention = KernelCall("ragged_attention", 108, 1 << 19, 108 << 19, slots=4128, block=512)
+    assert [attention.bytes_at(f) for f in (None, 1, 512, 513, 4096, 5000)] == [
+        108 << 19, 12 << 19, 12 << 19, 24 << 19, 96 << 19, 108 << 19]
+    assert calls[0].bytes_at(100) == 4000
+    r = roofline({"weights": 6000}, 1000, [attention, calls[0]], {"optimal_seconds": 0.5}, "v5e", fill=1000)
+    assert r["pallas"]["weight_bytes"] == (24 << 19) + 4000 and r["pallas"]["grid_steps"] == 112
 
 
 def test_state_read_at_a_fill_level():

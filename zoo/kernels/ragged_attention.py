@@ -15,8 +15,8 @@ that skips empty key blocks (flash-decoding style), and its jnp reference.
     finish(m, l, acc) -> acc / l      (0 for a query row that read nothing)
     reference_attention(...)          the same contract in jnp (the blocks each row reads, masked)
 
-Row b reads its own ``n_blocks[b]`` blocks, not the batch's longest: in the grid ``(row, KV head,
-query block, key block)`` a key block past a row's count maps (``index_map``) to the row's last
+Row b reads its own ``n_blocks[b]`` blocks, not the batch's longest: in the grid ``(row, query block,
+key block)`` (a step takes every KV head: enough bytes to hide a grid step's fixed cost) a key block past a row's count maps (``index_map``) to the row's last
 block, which is already resident, so the pipeline moves nothing for it, and its compute is skipped
 (``pl.when``). A step's cost therefore follows the tokens each row holds: a row at 4k of a 32k
 window reads 4k of keys whatever the other rows hold. The block count comes in by scalar prefetch,
@@ -99,26 +99,26 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
     def last(j, row, nb):
         return block_read(j, nb[row])
 
-    q_spec = pl.BlockSpec((None, None, mq, dk), lambda r, h, i, j, nb, f: (r, h, i, 0))
-    k_spec = pl.BlockSpec((None, None, block, dk), lambda r, h, i, j, nb, f: (r, h, last(j, r, nb), 0))
-    v_spec = pl.BlockSpec((None, None, block, dv), lambda r, h, i, j, nb, f: (r, h, last(j, r, nb), 0))
-    valid_spec = pl.BlockSpec((None, 1, block), lambda r, h, i, j, nb, f: (r, 0, last(j, r, nb)))
-    slot_spec = pl.BlockSpec((None, mq, 1), lambda r, h, i, j, nb, f: (r, i, 0))
-    stat_spec = pl.BlockSpec((None, None, mq, LANES), lambda r, h, i, j, nb, f: (r, h, i, 0))
-    acc_spec = pl.BlockSpec((None, None, mq, dv), lambda r, h, i, j, nb, f: (r, h, i, 0))
+    # a step takes every KV head of the call (the chip's), so that it moves enough bytes to hide its
+    # fixed cost: 4 heads x 512 slots x (256 + 256) x 2 bytes = 2 MiB for Qwen3.8-27B on a v5e-8
+    q_spec = pl.BlockSpec((None, g, mq, dk), lambda r, i, j, nb, f: (r, 0, i, 0))
+    k_spec = pl.BlockSpec((None, g, block, dk), lambda r, i, j, nb, f: (r, 0, last(j, r, nb), 0))
+    v_spec = pl.BlockSpec((None, g, block, dv), lambda r, i, j, nb, f: (r, 0, last(j, r, nb), 0))
+    valid_spec = pl.BlockSpec((None, 1, block), lambda r, i, j, nb, f: (r, 0, last(j, r, nb)))
+    slot_spec = pl.BlockSpec((None, mq, 1), lambda r, i, j, nb, f: (r, i, 0))
+    stat_spec = pl.BlockSpec((None, g, mq, LANES), lambda r, i, j, nb, f: (r, 0, i, 0))
+    acc_spec = pl.BlockSpec((None, g, mq, dv), lambda r, i, j, nb, f: (r, 0, i, 0))
+    stats = [pltpu.VMEM((g, mq, LANES), F32), pltpu.VMEM((g, mq, LANES), F32), pltpu.VMEM((g, mq, dv), F32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(b, g, n_q, n_k),
-        in_specs=[q_spec, k_spec, v_spec, valid_spec, slot_spec],
-        out_specs=[stat_spec, stat_spec, acc_spec],
-        scratch_shapes=[pltpu.VMEM((mq, LANES), F32), pltpu.VMEM((mq, LANES), F32), pltpu.VMEM((mq, dv), F32)])
-    itemsize = k.dtype.itemsize
-    step_bytes = block * (dk + dv) * itemsize
-    record("ragged_attention", b * g * n_q * n_k, step_bytes, b * g * n_q * n_k * step_bytes)
-    vmem = (2 * (mq * dk * q.dtype.itemsize + step_bytes + block * 4 + mq * 4 + mq * (2 * LANES + dv) * 4)
-            + mq * (2 * LANES + dv) * 4 + 4 * mq * block * 4)
-    params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        num_scalar_prefetch=2, grid=(b, n_q, n_k), in_specs=[q_spec, k_spec, v_spec, valid_spec, slot_spec],
+        out_specs=[stat_spec, stat_spec, acc_spec], scratch_shapes=stats)
+    step_bytes = g * block * (dk + dv) * k.dtype.itemsize
+    record("ragged_attention", b * n_q * n_k, step_bytes, b * n_q * n_k * step_bytes, share, block)
+    state = g * mq * (2 * LANES + dv) * 4
+    vmem = 2 * (g * mq * dk * q.dtype.itemsize + step_bytes + block * 4 + mq * 4 + state) + state + 4 * mq * block * 4
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                   vmem_limit_bytes=None if vmem <= 12 << 20 else min(100 << 20, vmem * 3 // 2))
-    kernel = functools.partial(_kernel, block=block, scale=scale, n_k=n_k, share=share)
+    kernel = functools.partial(_kernel, block=block, scale=scale, n_k=n_k, share=share, heads=g)
     m_out, l_out, acc = pl.pallas_call(
         kernel, grid_spec=grid_spec, compiler_params=params, interpret=interpret,
         out_shape=[jax.ShapeDtypeStruct((b, g, m, LANES), F32), jax.ShapeDtypeStruct((b, g, m, LANES), F32),
@@ -128,8 +128,8 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
 
 
 def _kernel(nb_ref, first_ref, q_ref, k_ref, v_ref, valid_ref, slot_ref, m_ref, l_ref, acc_ref,
-            m_sc, l_sc, acc_sc, *, block: int, scale: float, n_k: int, share: int):
-    row, j = pl.program_id(0), pl.program_id(3)
+            m_sc, l_sc, acc_sc, *, block: int, scale: float, n_k: int, share: int, heads: int):
+    row, j = pl.program_id(0), pl.program_id(2)
 
     @pl.when(j == 0)
     def _():
@@ -139,24 +139,25 @@ def _kernel(nb_ref, first_ref, q_ref, k_ref, v_ref, valid_ref, slot_ref, m_ref, 
 
     @pl.when(j < nb_ref[row])
     def _():
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=precision_for(q.dtype),
-                                preferred_element_type=F32) * scale                  # [Mq, block]
         local = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
         inside = local < share                      # a last block past the share: the rest is not the cache's
         visible = inside & (valid_ref[...] != 0) & (first_ref[0] + local <= slot_ref[...])   # [1, block] x [Mq, 1]
-        if share % block:
-            rows_inside = j * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < share
-            v = jnp.where(rows_inside, v, jnp.zeros_like(v))                        # whatever it holds, 0 weight
-        s = jnp.where(visible, s, F32_MIN)
-        m_prev = m_sc[...]                                                           # [Mq, 128], lanes equal
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
-        p = jnp.exp(s - m_new[:, :1])
-        keep = jnp.exp(m_prev - m_new)
-        l_sc[...] = l_sc[...] * keep + jnp.sum(p, axis=-1, keepdims=True)
-        mix = jnp.dot(p.astype(v.dtype), v, precision=precision_for(v.dtype), preferred_element_type=F32)
-        acc_sc[...] = acc_sc[...] * keep[:, :1] + mix
-        m_sc[...] = m_new
+        rows_inside = j * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < share
+        for h in range(heads):                      # the KV heads of the step, each with its query rows
+            q, k, v = q_ref[h], k_ref[h], v_ref[h]
+            s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
+                                    precision=precision_for(q.dtype), preferred_element_type=F32) * scale
+            if share % block:
+                v = jnp.where(rows_inside, v, jnp.zeros_like(v))                    # whatever it holds, 0 weight
+            s = jnp.where(visible, s, F32_MIN)                                       # [Mq, block]
+            m_prev = m_sc[h]                                                         # [Mq, 128], lanes equal
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
+            p = jnp.exp(s - m_new[:, :1])
+            keep = jnp.exp(m_prev - m_new)
+            l_sc[h] = l_sc[h] * keep + jnp.sum(p, axis=-1, keepdims=True)
+            mix = jnp.dot(p.astype(v.dtype), v, precision=precision_for(v.dtype), preferred_element_type=F32)
+            acc_sc[h] = acc_sc[h] * keep[:, :1] + mix
+            m_sc[h] = m_new
 
     @pl.when(j == n_k - 1)
     def _():

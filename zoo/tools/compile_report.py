@@ -240,7 +240,7 @@ class _Session:
             bytes_accessed=float(cost.get("bytes accessed", -1))).to_dict()
         if self.target.platform == "tpu" and read is not None:     # HBM bandwidths are known for TPU chips only
             report["roofline"] = roofline(read, state_read(state, self.fill), calls, cost,
-                                          self.target.name.split("-")[0])
+                                          self.target.name.split("-")[0], self.fill)
             report["roofline"]["xla"]["traffic"] = dict(traffic(text)[0])
         return report
 

@@ -19,8 +19,9 @@ HBM bandwidth, and what the Pallas kernels add for their grid steps.
   0 holds the first slots); of one whole on every chip (or split by heads), ``fill / L`` of it.
 
 **Time.** ``bytes / HBM bandwidth`` is the floor. The Pallas kernels' estimate is
-``grid steps * STEP_OVERHEAD_S + weight bytes they move / bandwidth`` (the overhead not hidden
-behind the DMA: the conservative sum), from ``zoo.kernels.census``. XLA's cost model gives
+``grid steps * STEP_OVERHEAD_S + bytes they move / bandwidth`` (the overhead not hidden behind the
+DMA: the conservative sum), from ``zoo.kernels.census``; the attention kernel's bytes at the fill
+(the blocks each row reads), its steps all of them (a skipped step still costs its overhead). XLA's cost model gives
 ``optimal_seconds`` for the rest; where it cannot cost an op (a Pallas custom call) it counts -1,
 so a negative figure's fractional part is the estimate of what it could cost (both are reported).
 """
@@ -102,8 +103,10 @@ def xla_seconds(cost: dict) -> tuple[float, int]:
     return seconds - math.floor(seconds), -math.floor(seconds)
 
 
-def roofline(read: dict, cache_bytes: int, calls: list[KernelCall], cost: dict, chip: str) -> dict:
-    """The roofline figures of one program on one chip (``chip``: "v5e", "v6e" or "v5p")."""
+def roofline(read: dict, cache_bytes: int, calls: list[KernelCall], cost: dict, chip: str,
+             fill: int | None = None) -> dict:
+    """The roofline figures of one program on one chip (``chip``: "v5e", "v6e" or "v5p"), its kernels'
+    bytes at ``fill`` tokens per row (``KernelCall.bytes_at``; None: the whole window)."""
     bandwidth = HBM_BANDWIDTH[chip]
     total = sum(read.values()) + cache_bytes
     by_kernel: dict[str, dict] = {}
@@ -111,9 +114,9 @@ def roofline(read: dict, cache_bytes: int, calls: list[KernelCall], cost: dict, 
         k = by_kernel.setdefault(c.kernel, {"calls": 0, "steps": 0, "weight_bytes": 0})
         k["calls"] += 1
         k["steps"] += c.steps
-        k["weight_bytes"] += c.weight_bytes
+        k["weight_bytes"] += c.bytes_at(fill)
     steps = sum(c.steps for c in calls)
-    kernel_bytes = sum(c.weight_bytes for c in calls)
+    kernel_bytes = sum(c.bytes_at(fill) for c in calls)
     kernel_floor = kernel_bytes / bandwidth
     kernel_estimate = steps * STEP_OVERHEAD_S + kernel_floor
     xla, uncosted = xla_seconds(cost)
