@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from zoo.kernels.census import kernel_census
 from zoo.models.qwen38 import gated_attention as ga
+from zoo.models.shared.filled_blocks import kernel_block
 from zoo.tools.compile_report import target_devices
 from zoo.tools.roofline import HBM_BANDWIDTH, STEP_OVERHEAD_S
 from zoo.tools.targets import get_target
@@ -71,7 +72,7 @@ def blocks_per_chip(fills, t: int, share: int, block: int, chips: int):
 def main() -> None:
     mesh = Mesh(np.asarray(target_devices(get_target("v5e-8"))), ("tp",))
     bandwidth = HBM_BANDWIDTH["v5e"]
-    share, block = L // 8, ga.kernel_block(L // 8)
+    share, block = L // 8, kernel_block(L // 8)
     print(f"Qwen3.8-27B attention, B={B}, {H} heads / {G} KV heads of {D}, L={L} split over 8 v5e chips "
           f"({share} slots each, blocks of {block}); per chip")
     for t in (1, 4):

@@ -172,6 +172,100 @@ def test_tpu_compiler_takes_it_at_full_size():
     assert compiled.memory_analysis().temp_size_in_bytes < 1 << 20
 
 
+def test_tpu_compiler_takes_the_latent_variant_at_full_size():
+    """GLM-5.3-Flash's absorbed MLA for a k=3 verify (4 tokens) at 3 rows in a 33,024-slot window on
+    a v5e-8 (64 heads over a 512-dim latent, the latent split over the 8 chips; the token mask from
+    the indexer's pools of 4): the real TPU compiler builds it; per chip 3 x 9 steps of 512 latent
+    slots, read once as keys and values (13.5 MiB at the most)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zoo.models.glm53 import mla
+    from zoo.tools.compile_report import target_devices
+    from zoo.tools.targets import get_target
+    mesh = Mesh(np.asarray(target_devices(get_target("v5e-8"))), ("tp",))
+    b, t, h, c, length = 3, 4, 64, 512, 33024
+    spec = P(None, "tp", None)
+
+    def arg(shape, dtype, s=P()):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, s))
+
+    def attend(q, latent, pools, key_pos, query_pos, write_at, live):
+        return mla.kernel_latent_attention(q, latent, pools, key_pos, query_pos, write_at, live, c ** -0.5, spec,
+                                           pool=4, select_tail=True)
+
+    args = (arg((b, t, h, c), jnp.bfloat16), arg((b, length, c), jnp.bfloat16, spec),
+            arg((b, t, length // 4), jnp.bool_), arg((b, length), jnp.int32, P(None, "tp")), arg((b, t), jnp.int32),
+            arg((b,), jnp.int32), arg((b,), jnp.bool_))
+    with jax.set_mesh(mesh), kernel_census() as calls:
+        compiled = jax.jit(attend).lower(*args).compile()
+    assert [(c.kernel, c.steps, c.weight_bytes) for c in calls] == [("ragged_attention", 3 * 9, 27 << 19)]
+    assert compiled.memory_analysis().temp_size_in_bytes < 1 << 20
+
+
+def test_shared_values_and_token_mask_equal_the_reference():
+    """The latent variant: values are the keys (one array, read once), the slots each token sees a
+    ``[B, T, S]`` mask, its query rows token-major; a last block past the share; a row reading none."""
+    rng = np.random.default_rng(3)
+    b, t, h, share, d = 3, 3, 8, 1100, 64
+    q = jnp.asarray(rng.standard_normal((b, 1, t * h, d)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((b, 1, share, d)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, t, share)) < 0.5)
+    n_blocks = jnp.asarray([5, 2, 0], jnp.int32)
+    run = functools.partial(ra.ragged_attention, block=256, scale=0.1, token_mask=mask)
+    ours = run(q, c, None, None, None, n_blocks, 0, interpret=True)
+    ref = ra.reference_attention(q, c, None, None, None, n_blocks, 0, block=256, scale=0.1, token_mask=mask)
+    for a, r, name in zip(ours, ref, ("m", "l", "acc")):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-6, atol=2e-5, err_msg=name)
+    out = np.asarray(ra.finish(*ours))
+    assert np.isfinite(out).all() and (out[2] == 0).all()
+    # row 0 reads every block: the whole-window softmax of each token over the slots it sees
+    scores = jnp.einsum("md,sd->ms", q[0, 0], c[0, 0]) * 0.1
+    seen = jnp.repeat(mask[0], h, axis=0)
+    whole = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), -1) @ c[0, 0]
+    assert rel_err(out[0, 0], whole) <= 1e-6
+
+
+@pytest.mark.parametrize("length,filled,t", [(1024, [300, 40], 1), (1100, [1000, 1090], 5), (4096, [60, 3000], 2)])
+def test_latent_attention_through_the_kernel(length, filled, t):
+    """GLM's ``filled_latent_attention`` for a decode or verify call under the TPU policy: the
+    kernel (interpret mode), equal to the whole-window reference; a prefill-sized call (more than
+    ``KERNEL_TOKENS``) keeps the jnp blocks."""
+    from tests.models.glm53.test_filled_latent_attention import POOL, C, reference
+    from tests.models.glm53.test_filled_latent_attention import case as latent_case
+    from zoo.models.glm53.mla import KERNEL_TOKENS, filled_latent_attention
+    q, c, pools, key_pos, query_pos, write_at = latent_case(length, filled, t)
+    attend = jax.jit(functools.partial(filled_latent_attention, pool=POOL, select_tail=True), static_argnums=6)
+    with use_policy(TPU_INTERPRET), kernel_census() as calls:
+        ours = attend(q, c, pools, key_pos, query_pos, write_at, C ** -0.5)
+    assert [c.kernel for c in calls] == ["ragged_attention"]
+    assert rel_err(ours, reference(q, c, pools, key_pos, query_pos, C ** -0.5)) <= 1e-6
+    long_call = latent_case(length, [0, 0], KERNEL_TOKENS + 1)
+    with use_policy(TPU_INTERPRET), kernel_census() as calls:
+        jax.jit(functools.partial(filled_latent_attention, pool=POOL, select_tail=True),
+                static_argnums=6).lower(*long_call, C ** -0.5)
+    assert calls == []
+
+
+def test_latent_split_over_chips_through_the_kernel():
+    """The latent cache split over 8 chips by its slots (``vmap`` over a named axis): each chip's
+    kernel reads its share's filled blocks for each row, and every chip holds the whole-window result."""
+    from tests.models.glm53.test_filled_latent_attention import POOL, B, C, reference
+    from tests.models.glm53.test_filled_latent_attention import case as latent_case
+    from zoo.models.glm53.mla import kernel_latent_share
+    n, length = 8, 8 * 1100
+    q, c, pools, key_pos, query_pos, write_at = latent_case(length, [5000, 700], 3, seed=5)
+    share = length // n
+    c_shares = jnp.moveaxis(c.reshape(B, n, share, C), 1, 0)
+    key_shares = jnp.moveaxis(key_pos.reshape(B, n, share), 1, 0)
+    chip = jax.vmap(lambda c, kp: kernel_latent_share(q, c, pools, kp, query_pos, write_at, jnp.asarray([True, True]),
+                                                      axis="tp", scale=C ** -0.5, pool=POOL, select_tail=True,
+                                                      interpret=True), axis_name="tp")
+    out = jax.jit(chip)(c_shares, key_shares)
+    ref = reference(q, c, pools, key_pos, query_pos, C ** -0.5)
+    assert max(rel_err(out[k], ref) for k in range(n)) <= 1e-6
+
+
 @pytest.fixture(scope="module")
 def random_qwen(tmp_path_factory):
     """qwen38-tiny with random weights, one DeltaNet and one gated-attention layer, float32."""
@@ -180,17 +274,29 @@ def random_qwen(tmp_path_factory):
     return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-qwen")), dtype="float32")
 
 
-@pytest.mark.parametrize("spec_tokens", [0, 2])
-def test_engine_on_the_kernel_equals_the_jnp_path(random_qwen, spec_tokens):
-    """The engine in a 1,024-token window, two requests of 40 and 700 prompt tokens decoding side by
-    side (plain, and verifying 2 MTP drafts a step): its programs traced under the TPU policy run the
-    kernel (interpret mode) in every gated-attention call, and the greedy tokens and their logprobs
-    equal the jnp path's."""
+@pytest.fixture(scope="module")
+def random_glm(tmp_path_factory):
+    """glm53-tiny with random weights, one layer of each kind (KDA; MLA with its indexer; MLA sharing
+    it), float32."""
+    import zoo
+    from tests.support.random_checkpoints import random_tiny_checkpoint
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-glm"), "glm53-tiny"), dtype="float32")
+
+
+@pytest.mark.parametrize("name", ["qwen38", "glm53"])
+def test_engine_on_the_kernel_equals_the_jnp_path(name, request):
+    """The engine in a 1,024-token window, two requests of 40 and 700 prompt tokens (prefill pieces),
+    then decoding side by side, verifying 2 MTP drafts a step: its programs traced under the TPU
+    policy run the kernel (interpret mode) in every decode and verify attention call (Qwen's gated
+    attention; GLM's latent attention, whose prefill pieces keep the jnp blocks), and the greedy
+    tokens and their logprobs equal the jnp path's. (A plain decode step is the T=1 case above.)"""
+    model = request.getfixturevalue({"qwen38": "random_qwen", "glm53": "random_glm"}[name])
+    spec_tokens = 2
     from zoo.engine.generator import Generator
     rng = np.random.default_rng(7)
     prompts = [rng.integers(10, 200, n).tolist() for n in (40, 700)]
     opts = dict(max_new_tokens=6, logprobs=0)
-    make = functools.partial(Generator, random_qwen, context=1024, max_batch=2, spec_tokens=spec_tokens,
+    make = functools.partial(Generator, model, context=1024, max_batch=2, spec_tokens=spec_tokens,
                              spec_policy="fixed", prefix_cache=0, narrow_rows=0)
     plain = make().generate(prompts, **opts)
     jax.clear_caches()              # the engine's jitted programs keep the policy they were traced with

@@ -15,12 +15,18 @@ that skips empty key blocks (flash-decoding style), and its jnp reference.
     finish(m, l, acc) -> acc / l      (0 for a query row that read nothing)
     reference_attention(...)          the same contract in jnp (the blocks each row reads, masked)
 
-Row b reads its own ``n_blocks[b]`` blocks, not the batch's longest: in the grid ``(row, query block,
-key block)`` (a step takes every KV head: enough bytes to hide a grid step's fixed cost) a key block past a row's count maps (``index_map``) to the row's last
-block, which is already resident, so the pipeline moves nothing for it, and its compute is skipped
-(``pl.when``). A step's cost therefore follows the tokens each row holds: a row at 4k of a 32k
-window reads 4k of keys whatever the other rows hold. The block count comes in by scalar prefetch,
-so one program serves every fill level.
+Two variants of the same kernel: ``v`` None reads the keys as the values (GLM's absorbed MLA over its
+latent cache: one "KV head" of ``C`` dims, read once); ``token_mask [B, T, S]`` gives the slots each
+query token sees (GLM's indexer selection, made per chip from its share's positions) instead of
+``key_valid`` and causality, the query rows token-major (the H heads of token t are rows t*H ..).
+
+Row b reads its own ``n_blocks[b]`` blocks, not the batch's longest. The grid is ``(row, query block,
+key block)``; a step takes every KV head (enough bytes to hide a grid step's fixed cost). A key block
+past a row's count maps (``index_map``, :func:`block_read`) to the row's last block, which is
+already resident, so the pipeline moves nothing for it, and its compute is skipped (``pl.when``). A
+step's cost therefore follows the tokens each row holds: a row at 4k of a 32k window reads 4k of
+keys whatever the other rows hold. The block counts come in by scalar prefetch, so one program
+serves every fill level.
 
 Scores and the softmax are float32; the values are mixed in v's dtype with float32 accumulation, as
 ``zoo.models.qwen38.gated_attention.grouped_attention`` does. A query row with no visible key in the
@@ -83,17 +89,21 @@ def query_block(m: int) -> int:
 
 
 def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float,
-                     interpret: bool = False):
-    """The kernel (module docstring); ``(m [B, G, M], l [B, G, M], acc [B, G, M, Dv])``, float32."""
+                     token_mask=None, interpret: bool = False):
+    """The kernel (module docstring); ``(m [B, G, M], l [B, G, M], acc [B, G, M, Dv])``, float32.
+
+    ``v`` None: the values are the keys (GLM's latent cache), read once. ``token_mask [B, T, S]``
+    (instead of ``key_valid`` and ``query_slot``, which are then unused): the slots each query token
+    sees, the query rows token-major (row ``t * (M // T) + j`` belongs to token t)."""
     b, g, m, dk = q.shape
-    share, dv = k.shape[2], v.shape[-1]
+    share = k.shape[2]
+    dv = dk if v is None else v.shape[-1]
     if not supported(share, block, dk, dv):
-        raise ValueError(f"ragged_attention: a share of {share} slots in blocks of {block} with head dims "
-                         f"{dk}/{dv} (needs multiples of 128, the share a multiple of the block)")
-    mq = query_block(m)
+        raise ValueError(f"ragged_attention: a share of {share} slots in blocks of {block} (the block must be a "
+                         f"multiple of 128 and at most the share)")
+    tokens = None if token_mask is None else token_mask.shape[1]
+    mq = query_block(m) if tokens is None else m           # a token mask: the call's query rows at once
     n_q, n_k = m // mq, -(-share // block)
-    valid = key_valid.astype(jnp.int32)[:, None, :]                       # [Bc, 1, S]
-    slots = query_slot.astype(jnp.int32)[:, :, None]                      # [B, M, 1]
     first = jnp.reshape(jnp.asarray(first, jnp.int32), (1,))
 
     def last(j, row, nb):
@@ -101,35 +111,52 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
 
     # a step takes every KV head of the call (the chip's), so that it moves enough bytes to hide its
     # fixed cost: 4 heads x 512 slots x (256 + 256) x 2 bytes = 2 MiB for Qwen3.8-27B on a v5e-8
-    q_spec = pl.BlockSpec((None, g, mq, dk), lambda r, i, j, nb, f: (r, 0, i, 0))
-    k_spec = pl.BlockSpec((None, g, block, dk), lambda r, i, j, nb, f: (r, 0, last(j, r, nb), 0))
-    v_spec = pl.BlockSpec((None, g, block, dv), lambda r, i, j, nb, f: (r, 0, last(j, r, nb), 0))
-    valid_spec = pl.BlockSpec((None, 1, block), lambda r, i, j, nb, f: (r, 0, last(j, r, nb)))
-    slot_spec = pl.BlockSpec((None, mq, 1), lambda r, i, j, nb, f: (r, i, 0))
+    in_specs = [pl.BlockSpec((None, g, mq, dk), lambda r, i, j, nb, f: (r, 0, i, 0)),
+                pl.BlockSpec((None, g, block, dk), lambda r, i, j, nb, f: (r, 0, last(j, r, nb), 0))]
+    operands = [q, k]
+    if v is not None:
+        in_specs.append(pl.BlockSpec((None, g, block, dv), lambda r, i, j, nb, f: (r, 0, last(j, r, nb), 0)))
+        operands.append(v)
+    if token_mask is None:
+        in_specs += [pl.BlockSpec((None, 1, block), lambda r, i, j, nb, f: (r, 0, last(j, r, nb))),
+                     pl.BlockSpec((None, mq, 1), lambda r, i, j, nb, f: (r, i, 0))]
+        operands += [key_valid.astype(jnp.int32)[:, None, :], query_slot.astype(jnp.int32)[:, :, None]]
+    else:
+        in_specs.append(pl.BlockSpec((None, tokens, block), lambda r, i, j, nb, f: (r, 0, last(j, r, nb))))
+        operands.append(token_mask.astype(jnp.int32))
     stat_spec = pl.BlockSpec((None, g, mq, LANES), lambda r, i, j, nb, f: (r, 0, i, 0))
     acc_spec = pl.BlockSpec((None, g, mq, dv), lambda r, i, j, nb, f: (r, 0, i, 0))
     stats = [pltpu.VMEM((g, mq, LANES), F32), pltpu.VMEM((g, mq, LANES), F32), pltpu.VMEM((g, mq, dv), F32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(b, n_q, n_k), in_specs=[q_spec, k_spec, v_spec, valid_spec, slot_spec],
+        num_scalar_prefetch=2, grid=(b, n_q, n_k), in_specs=in_specs,
         out_specs=[stat_spec, stat_spec, acc_spec], scratch_shapes=stats)
-    step_bytes = g * block * (dk + dv) * k.dtype.itemsize
+    step_bytes = g * block * (dk + (0 if v is None else dv)) * k.dtype.itemsize
     record("ragged_attention", b * n_q * n_k, step_bytes, b * n_q * n_k * step_bytes, share, block)
     state = g * mq * (2 * LANES + dv) * 4
-    vmem = 2 * (g * mq * dk * q.dtype.itemsize + step_bytes + block * 4 + mq * 4 + state) + state + 4 * mq * block * 4
+    mask_bytes = block * 4 * (tokens or 1) + mq * 4
+    vmem = 2 * (g * mq * dk * q.dtype.itemsize + step_bytes + mask_bytes + state) + state + 4 * mq * block * 4
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                   vmem_limit_bytes=None if vmem <= 12 << 20 else min(100 << 20, vmem * 3 // 2))
-    kernel = functools.partial(_kernel, block=block, scale=scale, n_k=n_k, share=share, heads=g)
+    kernel = functools.partial(_kernel, block=block, scale=scale, n_k=n_k, share=share, heads=g,
+                               shared_values=v is None, tokens=tokens)
     m_out, l_out, acc = pl.pallas_call(
         kernel, grid_spec=grid_spec, compiler_params=params, interpret=interpret,
         out_shape=[jax.ShapeDtypeStruct((b, g, m, LANES), F32), jax.ShapeDtypeStruct((b, g, m, LANES), F32),
                    jax.ShapeDtypeStruct((b, g, m, dv), F32)],
-    )(n_blocks.astype(jnp.int32), first, q, k, v, valid, slots)
+    )(n_blocks.astype(jnp.int32), first, *operands)
     return m_out[..., 0], l_out[..., 0], acc
 
 
-def _kernel(nb_ref, first_ref, q_ref, k_ref, v_ref, valid_ref, slot_ref, m_ref, l_ref, acc_ref,
-            m_sc, l_sc, acc_sc, *, block: int, scale: float, n_k: int, share: int, heads: int):
+def _kernel(nb_ref, first_ref, *refs, block: int, scale: float, n_k: int, share: int, heads: int,
+            shared_values: bool, tokens: int | None):
+    q_ref, k_ref, *refs = refs
+    v_ref = k_ref if shared_values else refs.pop(0)
+    if tokens is None:
+        valid_ref, slot_ref, m_ref, l_ref, acc_ref, m_sc, l_sc, acc_sc = refs
+    else:
+        mask_ref, m_ref, l_ref, acc_ref, m_sc, l_sc, acc_sc = refs
     row, j = pl.program_id(0), pl.program_id(2)
+    mq = q_ref.shape[1]
 
     @pl.when(j == 0)
     def _():
@@ -141,7 +168,12 @@ def _kernel(nb_ref, first_ref, q_ref, k_ref, v_ref, valid_ref, slot_ref, m_ref, 
     def _():
         local = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
         inside = local < share                      # a last block past the share: the rest is not the cache's
-        visible = inside & (valid_ref[...] != 0) & (first_ref[0] + local <= slot_ref[...])   # [1, block] x [Mq, 1]
+        if tokens is None:
+            visible = inside & (valid_ref[...] != 0) & (first_ref[0] + local <= slot_ref[...])   # [Mq, block]
+        else:                                       # each token's slots, for its query rows (token-major)
+            per_token = mq // tokens
+            seen = mask_ref[...] != 0                                                # [T, block]
+            visible = inside & jnp.broadcast_to(seen[:, None, :], (tokens, per_token, block)).reshape(mq, block)
         rows_inside = j * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < share
         for h in range(heads):                      # the KV heads of the step, each with its query rows
             q, k, v = q_ref[h], k_ref[h], v_ref[h]
@@ -180,17 +212,22 @@ def combine(m: jax.Array, l: jax.Array, acc: jax.Array, axis: str) -> jax.Array:
     return finish(m_all, jax.lax.psum(l * keep, axis), jax.lax.psum(acc * keep[..., None], axis))
 
 
-def reference_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float):
+def reference_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float,
+                        token_mask=None):
     """jnp twin of :func:`ragged_attention`: the whole share at once, each row masked to its own
     ``n_blocks`` blocks; the same ``(m, l, acc)``."""
     b, g, m, dk = q.shape
     share = k.shape[2]
-    k, v, key_valid = k[:b], v[:b], key_valid[:b]
+    v = k if v is None else v
+    k, v = k[:b], v[:b]
     s = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), precision=precision_for(q.dtype),
                    preferred_element_type=F32) * scale
     local = jnp.arange(share, dtype=jnp.int32)
     read = local[None, :] < (n_blocks * block)[:, None]                              # [B, S] blocks the row reads
-    visible = key_valid[:, None, :] & (first + local[None, None, :] <= query_slot[:, :, None])   # [B, M, S]
+    if token_mask is None:
+        visible = key_valid[:b, None, :] & (first + local[None, None, :] <= query_slot[:, :, None])  # [B, M, S]
+    else:
+        visible = jnp.repeat(token_mask[:b].astype(bool), m // token_mask.shape[1], axis=1)
     s = jnp.where(visible[:, None], s, F32_MIN)
     s = jnp.where(read[:, None, None, :], s, -jnp.inf)                               # unread: outside the softmax
     m_out = jnp.max(s, axis=-1)

@@ -36,14 +36,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from zoo.kernels import ragged_attention as ragged
+from zoo.kernels.dispatch import attention_kernel
 from zoo.models.shared.filled_blocks import (
     block_at,
     blocks_visited,
     first_rows,
+    kernel_block,
     key_block,
     local_blocks,
     online_softmax,
     read_block,
+    share_of,
     split_online_softmax,
 )
 from zoo.models.shared.kv_slots import write_slots
@@ -55,6 +59,7 @@ from zoo.sharding.mesh import current_spec
 HIGHEST = jax.lax.Precision.HIGHEST
 POOL_BLOCKS = (2048, 1024, 512, 256)    # pools the indexer scores per block (``select_top_pools``)
 F32_MIN = jnp.finfo(jnp.float32).min
+KERNEL_TOKENS = 16                      # calls of up to this many tokens take the Pallas kernel on TPU
 
 
 class Positions(NamedTuple):
@@ -289,6 +294,11 @@ def filled_latent_attention(q_latent: jax.Array, c: jax.Array, pools: jax.Array,
     length = c.shape[1]
     spec = current_spec(LatentCache.AXES["latent"], c.shape)
     visibility = dict(pool=pool, select_tail=select_tail)
+    kernel = attention_kernel()
+    if kernel is not None and t <= KERNEL_TOKENS and _kernel_takes(length, spec):
+        live = jnp.ones(write_at.shape, bool) if live is None else live
+        return kernel_latent_attention(q_latent, c, pools, key_pos, query_pos, write_at, live, scale, spec,
+                                       **visibility, **kernel)
     if spec is not None and spec[1] is not None:
         live = jnp.ones(write_at.shape, bool) if live is None else live
         local = functools.partial(split_latent_share, axis=spec[1], scale=scale, **visibility)
@@ -333,6 +343,52 @@ def split_latent_share(q_latent, c, pools, key_pos, query_pos, write_at, live, *
     softmax = functools.partial(split_online_softmax, axis)
     return _blocked_latent_attention(q_latent, c, pools, key_pos, query_pos, scale, n_blocks, block, softmax,
                                      pool=pool, select_tail=select_tail)
+
+
+def _kernel_takes(length: int, spec: P | None) -> bool:
+    """Whether the Pallas kernel computes the call: a window of at least two blocks of the narrowest
+    width (else the whole-window product), split or not, in blocks the kernel takes."""
+    share = share_of(length, None if spec is None else spec[1])
+    if spec is None and key_block(share) is None:
+        return False
+    return ragged.supported(share, kernel_block(share), 1, 1)
+
+
+def kernel_latent_attention(q_latent, c, pools, key_pos, query_pos, write_at, live, scale: float, spec: P | None,
+                            *, pool: int, select_tail: bool, interpret: bool = False) -> jax.Array:
+    """:func:`filled_latent_attention` by the Pallas kernel (``zoo.kernels.ragged_attention``) for a
+    call of up to :data:`KERNEL_TOKENS` tokens (decode, a speculative verify): each row reads its own
+    filled latent blocks, once (the latent is both keys and values); the slots each token sees are
+    made from the selected pools over the chip's share (``[B, T, S]``, small for these T). Where the
+    mesh splits the latent over its slots it runs in ``shard_map`` and the partial sums are combined
+    across the axis. Returns [B, T, H, C] in q's dtype."""
+    axis = None if spec is None else spec[1]
+    local = functools.partial(kernel_latent_share, axis=axis, scale=scale, pool=pool, select_tail=select_tail,
+                              interpret=interpret)
+    args = (q_latent, c, pools, key_pos, query_pos, write_at, live)
+    if spec is None:
+        return local(*args)
+    rows, whole = P(spec[0]), P(spec[0], None, None, None)
+    return jax.shard_map(local, in_specs=(whole, spec, P(spec[0], None, None), P(spec[0], spec[1]),
+                                          P(spec[0], None), rows, rows),
+                         out_specs=whole, check_vma=False)(*args)
+
+
+def kernel_latent_share(q_latent, c, pools, key_pos, query_pos, write_at, live, *, axis, scale: float, pool: int,
+                        select_tail: bool, interpret: bool = False):
+    """One chip's part of :func:`kernel_latent_attention` (the whole call where ``axis`` is None):
+    ``c [B, S, C]`` and ``key_pos [B, S]`` its share of the slots; returns ``[B, T, H, C]``."""
+    b, t, h, ch = q_latent.shape
+    share = c.shape[1]
+    block = kernel_block(share)
+    first = 0 if axis is None else jax.lax.axis_index(axis) * share
+    n_blocks = ragged.row_blocks(write_at, t, live, share, block, first)
+    seen = pool_visibility(pools, first_rows(key_pos, b), query_pos, pool, select_tail)          # [B, T, S]
+    m, l, acc = ragged.ragged_attention(q_latent.reshape(b, 1, t * h, ch), c[:, None], None, None, None,  # noqa: E741
+                                        n_blocks, first, block=block, scale=scale, token_mask=seen,
+                                        interpret=interpret)
+    out = ragged.finish(m, l, acc) if axis is None else ragged.combine(m, l, acc, axis)
+    return out.reshape(b, t, h, ch).astype(q_latent.dtype)
 
 
 class MultiLatentAttention(nnx.Module):

@@ -16,7 +16,6 @@ in as a ``Slots`` (built once per forward by the model).
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -31,10 +30,12 @@ from zoo.models.shared.filled_blocks import (
     block_at,
     blocks_visited,
     first_rows,
+    kernel_block,
     key_block,
     local_blocks,
     online_softmax,
     read_block,
+    share_of,
     split_online_softmax,
 )
 from zoo.models.shared.kv_slots import write_slots
@@ -213,28 +214,13 @@ def split_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axi
     return _blocked_attention(q, k, v, key_valid, query_slot, scale, n_blocks, block, first, softmax)
 
 
-def _share(k: jax.Array, spec: P | None) -> int:
-    """Slots of the cache one chip holds (the whole window unless ``spec`` splits the slots)."""
-    if spec is None or spec[2] is None:
-        return k.shape[2]
-    names = spec[2] if isinstance(spec[2], tuple) else (spec[2],)
-    mesh = jax.sharding.get_abstract_mesh()
-    return k.shape[2] // math.prod(mesh.shape[a] for a in names)
-
-
 def _kernel_takes(k: jax.Array, v: jax.Array, spec: P | None) -> bool:
     """Whether the Pallas kernel computes this call: a window of at least two blocks of the
     narrowest width (else the jnp whole-window product), blocks the kernel takes."""
-    share = _share(k, spec)
+    share = share_of(k.shape[2], None if spec is None else spec[2])
     if spec is None and key_block(share) is None:
         return False
     return ragged.supported(share, kernel_block(share), k.shape[-1], v.shape[-1])
-
-
-def kernel_block(share: int) -> int:
-    """Slots per key block of the kernel for a share of ``share`` slots: ``key_block``'s width (its
-    last block may run past the share: ``zoo.kernels.ragged_attention``), or the share whole."""
-    return key_block(share) or share
 
 
 def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float, spec: P | None,

@@ -4,6 +4,8 @@ absorbed MLA.
 
     key_block(L, widths=(512, 256)) -> one of widths | None   slots per block (None: the window is under
         two blocks of the narrowest)
+    kernel_block(S) -> the Pallas kernel's block for a share of S slots
+    share_of(L, axis) -> the slots one chip holds where the mesh splits them over ``axis``
     block_at(start, block, L) -> (at, own [block])  where a block is read (a last block that would
         run past the window overlaps the one before it; ``own`` masks the slots read twice)
     blocks_visited(write_at [B], T, L, live [B]) -> int32 scalar, blocks up to max(write_at) + T over
@@ -29,6 +31,7 @@ rescale ``exp(0)`` is 1). A query with no visible key averages the visited slots
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -44,6 +47,23 @@ def key_block(length: int, widths: tuple[int, ...] = (512, 256)) -> int | None:
     None (the whole window at once)."""
     fits = [n for n in widths if length >= 2 * n]
     return next((n for n in fits if length % n == 0), fits[0] if fits else None)
+
+
+def kernel_block(share: int) -> int:
+    """Slots per key block of the Pallas attention kernel (``zoo.kernels.ragged_attention``) for a
+    share of ``share`` slots: :func:`key_block`'s width (the kernel's last block may run past the
+    share), or the share whole."""
+    return key_block(share) or share
+
+
+def share_of(length: int, axis) -> int:
+    """Slots of a window of ``length`` one chip holds where the mesh splits the slots over ``axis``
+    (a mesh axis name, a tuple of them, or None: not split)."""
+    if axis is None:
+        return length
+    names = axis if isinstance(axis, tuple) else (axis,)
+    mesh = jax.sharding.get_abstract_mesh()
+    return length // math.prod(mesh.shape[a] for a in names)
 
 
 def block_at(start: jax.Array, block: int, length: int) -> tuple[jax.Array, jax.Array]:
