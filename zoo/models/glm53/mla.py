@@ -17,7 +17,9 @@ Indexer ("full" layers; scores in true f32), for queries at position p:
   candidate are scored, block by block into a running top-k (``select_top_pools``). The result is
   the selected pools [B, T, NP] that "shared" layers reuse; the attention turns them into the slots
   a query sees block by block (``pool_visibility``), reading only the filled blocks (no [B, T, L]
-  mask is built).
+  mask is built). On TPU a call of up to ``KERNEL_TOKENS`` tokens (decode, a verify) runs the Pallas
+  kernel with per-row lengths instead (``kernel_latent_attention``: each row its own blocks, the
+  latent read once; its ``[B, T, S]`` mask is small at these T).
 
 Positions are token counts per row (padding excluded), so left padding does not shift the pools.
 Cache per MLA layer: ``LatentCache(latent [B, L, C], indexer)``; on full-indexer layers ``indexer`` is an

@@ -11,6 +11,11 @@ before slots: the layout the attention products read, so XLA does not relay the 
 every decode step, as it did for ``[B, L, KVH, head_dim]``: 12.9 GB per step for Qwen3.8-27B at 3 x 32k); which
 slots hold real tokens (``SlotMeta``, one for all layers), and where this call writes, are passed
 in as a ``Slots`` (built once per forward by the model).
+
+The attention reads the filled part of the window only: the jnp key blocks of
+``zoo.models.shared.filled_blocks`` (``filled_attention``: blocks up to the batch's longest row) or, on
+TPU, the Pallas kernel with per-row lengths (``kernel_attention``, ``zoo.kernels.ragged_attention``:
+each row its own blocks); both under ``shard_map`` where the mesh splits the cache over its slots.
 """
 
 from __future__ import annotations
