@@ -23,59 +23,67 @@ from zoo.models.qwen38 import gated_attention as ga
 TPU_INTERPRET = Policy(backend="tpu", interpret=True)
 
 
-def kernel_inputs(rows, cache_rows, g, m, share, d, write_at, t, live, first=0, seed=0):
-    """Random q/k/v; row b's slots filled up to ``write_at[b] + t`` (global slots, the share starting
-    at ``first``), slot 3 of every row empty; its query rows at its last ``t`` slots."""
+def kernel_inputs(rows, cache_rows, g, per_token, share, d, write_at, t, live, first=0, seed=0):
+    """Random q/k/v (``per_token`` query rows per token, token-major); row b's slots filled up to
+    ``write_at[b] + t`` (global slots, the share starting at ``first``), slot 3 of every row empty;
+    its tokens at its last ``t`` slots."""
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((rows, g, m, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((rows, g, t * per_token, d)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((cache_rows, g, share, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((cache_rows, g, share, d)), jnp.float32)
     slot = first + jnp.arange(share)[None, :]
     write_at = jnp.asarray(write_at + [0] * (cache_rows - rows), jnp.int32)
     valid = (slot < write_at[:, None] + t) & (slot != 3)
-    query_slot = jnp.tile(write_at[:rows, None] + jnp.arange(t)[None, :], (1, m // t))
+    query_slot = write_at[:rows, None] + jnp.arange(t)[None, :]
     return q, k, v, valid, query_slot, write_at[:rows], jnp.asarray(live)
 
 
-@pytest.mark.parametrize("rows,cache_rows,m,share,write_at,t,live,first", [
+@pytest.mark.parametrize("rows,cache_rows,per_token,share,write_at,t,live,first", [
     (3, 3, 2, 1024, [5, 300, 900], 1, [True, True, True], 0),        # decode, three fill levels
-    (3, 4, 6, 1024, [5, 600, 900], 3, [True, True, False], 0),       # a verify; an idle row; a wider cache
-    (2, 2, 8, 512, [4000, 700], 4, [True, True], 3584),              # a chip's share: one row before it
-    (1, 1, 48, 1024, [100], 16, [True], 0),                          # a prefill piece, several query blocks
-    (2, 2, 4, 1100, [1095, 300], 2, [True, True], 0),                # the last block runs past the share
-    (2, 3, 2, 4128, [8250, 4500], 1, [True, True], 4128),            # Qwen3.8-27B's share: 4,128 slots a chip
+    (3, 4, 2, 1024, [5, 600, 900], 3, [True, True, False], 0),       # a verify; an idle row; a wider cache
+    (2, 2, 2, 512, [4000, 700], 4, [True, True], 3584),              # a chip's share: one row before it
+    (1, 1, 2, 1024, [500], 16, [True], 0),                           # a prefill piece: 2 query blocks of 8
+    (2, 2, 3, 1100, [1095, 300], 2, [True, True], 0),                # the last block runs past the share
+    (2, 3, 1, 4128, [8250, 4500], 1, [True, True], 4128),            # Qwen3.8-27B's share: 4,128 slots a chip
 ])
-def test_kernel_equals_reference(monkeypatch, rows, cache_rows, m, share, write_at, t, live, first):
-    monkeypatch.setattr(ra, "Q_BLOCK", 16)                           # 48 query rows: 3 blocks of 16
-    q, k, v, valid, qs, w, lv = kernel_inputs(rows, cache_rows, 2, m, share, 32, write_at, t, live, first)
-    n_blocks = ra.row_blocks(w, t, lv, share, 256, first)
+def test_kernel_equals_reference(monkeypatch, rows, cache_rows, per_token, share, write_at, t, live, first):
+    monkeypatch.setattr(ra, "Q_ROWS", 16)                            # 16 tokens x 2 rows: 2 blocks of 8 tokens
+    q, k, v, valid, qs, w, lv = kernel_inputs(rows, cache_rows, 2, per_token, share, 32, write_at, t, live, first)
+    n_blocks = ra.token_blocks(w, t, lv, share, 256, first)
     ours = ra.ragged_attention(q, k, v, valid, qs, n_blocks, first, block=256, scale=0.2, interpret=True)
     ref = ra.reference_attention(q, k, v, valid, qs, n_blocks, first, block=256, scale=0.2)
     for a, b, name in zip(ours, ref, ("m", "l", "acc")):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-5, err_msg=name)
-    # the whole-window softmax for the live rows' real queries
+    # the whole-window softmax for the queries that read a block
     out = np.asarray(ra.finish(*ours))
     scores = jnp.einsum("bgmd,bgsd->bgms", q, k[:rows]) * 0.2
-    visible = valid[:rows, None, :] & (first + jnp.arange(share)[None, None, :] <= qs[:, :, None])
+    seen = valid[:rows, None, :] & (first + jnp.arange(share)[None, None, :] <= qs[:, :, None])      # [B, T, S]
+    visible = jnp.repeat(seen, per_token, axis=1)
     whole = jnp.einsum("bgms,bgsd->bgmd", jax.nn.softmax(jnp.where(visible[:, None], scores, -jnp.inf), -1),
                        v[:rows])
-    reads = np.asarray(lv) & (np.asarray(n_blocks) > 0)
+    reads = np.repeat(np.asarray(n_blocks) > 0, per_token, axis=1)                                  # [B, M]
     assert reads.any()
-    assert rel_err(out[reads], np.asarray(whole)[reads]) <= 1e-6
-    assert (out[~reads] == 0).all()                                   # a row that reads nothing: zeros
+    assert rel_err(out.transpose(0, 2, 1, 3)[reads], np.asarray(whole).transpose(0, 2, 1, 3)[reads]) <= 1e-6
+    assert (out.transpose(0, 2, 1, 3)[~reads] == 0).all()             # a query that reads nothing: zeros
 
 
-def test_row_blocks():
-    assert ra.row_blocks(jnp.asarray([0, 511, 512, 4000, 9000]), 1, jnp.asarray([True] * 5), 8192, 512,
-                         0).tolist() == [1, 1, 2, 8, 16]
-    assert ra.row_blocks(jnp.asarray([4000, 4000]), 1, jnp.asarray([True, False]), 4096, 512, 0).tolist() == [8, 0]
+def test_token_blocks():
+    live = jnp.asarray([True] * 5)
+    assert ra.token_blocks(jnp.asarray([0, 511, 512, 4000, 9000]), 1, live, 8192, 512, 0)[:, 0].tolist() == [
+        1, 1, 2, 8, 16]
+    assert ra.token_blocks(jnp.asarray([510]), 3, live[:1], 8192, 512, 0).tolist() == [[1, 1, 2]]   # per token
+    assert ra.token_blocks(jnp.asarray([4000, 4000]), 1, jnp.asarray([True, False]), 4096, 512, 0).tolist() == [
+        [8], [0]]
     # a chip's share from slot 4096: a row that ends before it reads nothing, one past it reads its part
-    assert ra.row_blocks(jnp.asarray([100, 4096, 5000, 9000]), 1, jnp.asarray([True] * 4), 4096, 512,
-                         4096).tolist() == [0, 1, 2, 8]
-    # the key block each grid step brings in: past a row's count, its last block again (no new DMA)
+    assert ra.token_blocks(jnp.asarray([100, 4096, 5000, 9000]), 1, live[:4], 4096, 512, 4096)[:, 0].tolist() == [
+        0, 1, 2, 8]
+    # the key block each grid step brings in: past the count, the last block again (no new DMA)
     assert [int(ra.block_read(j, 3)) for j in range(6)] == [0, 1, 2, 2, 2, 2]
     assert [int(ra.block_read(j, 0)) for j in range(3)] == [0, 0, 0]
-    assert ra.query_block(6) == 6 and ra.query_block(6144) == 1024 and ra.query_block(1500) == 1500
+    # query blocks of whole tokens: Qwen3.8-27B's 1,024-token piece (6 rows a token) in blocks of 128
+    # tokens, GLM's (64 heads) of 16, a decode step whole
+    assert [ra.tokens_per_block(t, p) for t, p in [(1, 6), (4, 64), (1024, 6), (1024, 64), (1500, 1)]] == [
+        1, 4, 128, 16, 1500]
 
 
 def test_each_row_reads_only_its_own_blocks():
@@ -84,9 +92,9 @@ def test_each_row_reads_only_its_own_blocks():
     other row reaches 6 blocks further. The jnp blocks visit the longest row's blocks for every row,
     so the same input gives the short row NaN there."""
     q, k, v, valid, qs, w, lv = kernel_inputs(2, 2, 2, 2, 4096, 32, [60, 3000], 1, [True, True])
-    n_blocks = ra.row_blocks(w, 1, lv, 4096, 512, 0)
-    assert n_blocks.tolist() == [1, 6]
-    past = jnp.arange(4096)[None, None, :, None] >= (n_blocks * 512)[:, None, None, None]
+    n_blocks = ra.token_blocks(w, 1, lv, 4096, 512, 0)
+    assert n_blocks[:, 0].tolist() == [1, 6]
+    past = jnp.arange(4096)[None, None, :, None] >= (n_blocks[:, 0] * 512)[:, None, None, None]
     k_nan, v_nan = jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
     run = functools.partial(ra.ragged_attention, block=512, scale=0.2, interpret=True)
     clean = ra.finish(*run(q, k, v, valid, qs, n_blocks, 0))
@@ -95,6 +103,22 @@ def test_each_row_reads_only_its_own_blocks():
     assert np.array_equal(np.asarray(dirty), np.asarray(clean))
     with_jnp = ra.reference_attention(q, k_nan, v_nan, valid, qs, jnp.maximum(n_blocks, 6), 0, block=512, scale=0.2)
     assert np.isnan(np.asarray(ra.finish(*with_jnp))[0]).all()
+
+
+def test_a_prefill_pieces_first_tokens_skip_the_last_ones_blocks(monkeypatch):
+    """A 32-token piece from slot 500 in query blocks of 8 tokens: the first block's tokens (slots
+    500..507) read 1 block of 512, the last block's (524..531) 2. Values past each query block's
+    own reach are NaN for the first block only, and its rows stay finite and exact."""
+    monkeypatch.setattr(ra, "Q_ROWS", 16)
+    q, k, v, valid, qs, w, lv = kernel_inputs(1, 1, 1, 2, 2048, 32, [500], 32, [True])
+    n_blocks = ra.token_blocks(w, 32, lv, 2048, 512, 0)
+    assert n_blocks[0, :12].tolist() == [1] * 12 and n_blocks[0, 12:].tolist() == [2] * 20
+    run = functools.partial(ra.ragged_attention, block=512, scale=0.2, interpret=True)
+    clean = np.asarray(ra.finish(*run(q, k, v, valid, qs, n_blocks, 0)))
+    v_nan = v.at[:, :, 512:].set(jnp.nan)
+    dirty = np.asarray(ra.finish(*run(q, k, v_nan, valid, qs, n_blocks, 0)))
+    assert np.array_equal(dirty[:, :, :16], clean[:, :, :16])         # the first 8 tokens: block 0 only
+    assert np.isnan(dirty[:, :, 16:]).any()                          # the others read block 1
 
 
 @pytest.mark.parametrize("length,filled,t,live", [(1024, [300, 40], 1, (True, True)),
@@ -211,7 +235,7 @@ def test_shared_values_and_token_mask_equal_the_reference():
     q = jnp.asarray(rng.standard_normal((b, 1, t * h, d)), jnp.float32)
     c = jnp.asarray(rng.standard_normal((b, 1, share, d)), jnp.float32)
     mask = jnp.asarray(rng.random((b, t, share)) < 0.5)
-    n_blocks = jnp.asarray([5, 2, 0], jnp.int32)
+    n_blocks = jnp.asarray([[5] * t, [2] * t, [0] * t], jnp.int32)
     run = functools.partial(ra.ragged_attention, block=256, scale=0.1, token_mask=mask)
     ours = run(q, c, None, None, None, n_blocks, 0, interpret=True)
     ref = ra.reference_attention(q, c, None, None, None, n_blocks, 0, block=256, scale=0.1, token_mask=mask)

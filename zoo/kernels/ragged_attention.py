@@ -1,33 +1,37 @@
-"""Attention over the filled part of each row's slot cache: a Pallas TPU kernel with per-row lengths
-that skips empty key blocks (flash-decoding style), and its jnp reference.
+"""Attention over the filled part of each row's slot cache: a Pallas TPU kernel with per-row (and
+per-token) lengths that skips empty key blocks (flash-decoding style), and its jnp reference.
 
-    ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block, scale) -> (m, l, acc)
-        q           [B, G, M, Dk]    M query rows per KV head (the R heads of a group times T tokens)
+    ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block, scale, token_mask=None)
+        -> (m, l, acc)
+        q           [B, G, M, Dk]    M = T * P query rows per KV head, token-major: rows t*P .. t*P+P-1
+                                     are token t's (the P heads of a group; all H heads for GLM's MLA)
         k, v        [Bc, G, S, Dk] / [Bc, G, S, Dv]   a cache (or one chip's share of S of its slots);
-                                     it may hold more rows than the call (Bc >= B): the call's are its first
+                                     it may hold more rows than the call (Bc >= B): the call's are its first.
+                                     ``v`` None: the values are the keys (GLM's latent, read once)
         key_valid   [Bc, S] bool     the slot holds a token
-        query_slot  [B, M] int32     the global slot of each query row (it reads slots <= its own)
-        n_blocks    [B] int32        key blocks row b reads: blocks 0 .. n_blocks[b]-1 of ``block`` slots
+        query_slot  [B, T] int32     the global slot of each token (it reads slots <= its own)
+        n_blocks    [B, T] int32     key blocks token t of row b reads: blocks 0 .. n_blocks-1 of ``block``
         first       int32 scalar     the global slot of the share's slot 0
+        token_mask  [B, T, S] bool   instead of ``key_valid`` and ``query_slot`` (then unused): the slots
+                                     each token sees (GLM's indexer selection over the share)
       -> m, l  float32 [B, G, M]      running max of the scores, sum of exp(score - m)
          acc   float32 [B, G, M, Dv]  sum of exp(score - m) * v
-    row_blocks(write_at [B], t, live [B], share, block, first) -> n_blocks [B]
+    token_blocks(write_at [B], t, live [B], share, block, first) -> n_blocks [B, T]
     finish(m, l, acc) -> acc / l      (0 for a query row that read nothing)
-    reference_attention(...)          the same contract in jnp (the blocks each row reads, masked)
+    combine(m, l, acc, axis) -> the same over the shares of a mesh axis
+    reference_attention(...)          the same contract in jnp (the blocks each token reads, masked)
 
-Two variants of the same kernel: ``v`` None reads the keys as the values (GLM's absorbed MLA over its
-latent cache: one "KV head" of ``C`` dims, read once); ``token_mask [B, T, S]`` gives the slots each
-query token sees (GLM's indexer selection, made per chip from its share's positions) instead of
-``key_valid`` and causality, the query rows token-major (the H heads of token t are rows t*H ..).
-
-Row b reads its own ``n_blocks[b]`` blocks, not the batch's longest. The grid is ``(row, query block,
-key block)``; a step takes every KV head (enough bytes to hide a grid step's fixed cost). A key block
-past a row's count maps (``index_map``, :func:`block_read`) to the row's last block, which is
+Each row, and each block of its tokens, reads its own blocks, not the batch's longest. The grid is
+``(row, query block, key block)``; a query block is a run of whole tokens (:func:`tokens_per_block`),
+and a step takes every KV head (enough bytes to hide a grid step's fixed cost). A key block past the
+count of a (row, query block) maps (``index_map``, :func:`block_read`) to its last block, which is
 already resident, so the pipeline moves nothing for it, and its compute is skipped (``pl.when``). A
 step's cost therefore follows the tokens each row holds: a row at 4k of a 32k window reads 4k of
-keys whatever the other rows hold. The block counts come in by scalar prefetch, so one program
-serves every fill level.
+keys whatever the other rows hold, and in a prefill chunk the first tokens do not read the slots of
+the last. The counts come in by scalar prefetch, so one program serves every fill level.
 
+The slots a token sees are made per token (``[tokens, block]``: from ``key_valid`` and causality, or
+from ``token_mask``) and spread to its query rows with a 0/1 matmul (exact), so any head count works.
 Scores and the softmax are float32; the values are mixed in v's dtype with float32 accumulation, as
 ``zoo.models.qwen38.gated_attention.grouped_attention`` does. A query row with no visible key in the
 blocks it reads (padding) averages them, as ``zoo.models.shared.filled_blocks.online_softmax`` does;
@@ -55,8 +59,8 @@ from zoo.ops.matmul import precision_for
 F32 = jnp.float32
 F32_MIN = jnp.finfo(jnp.float32).min
 LANES = 128
-Q_BLOCK = 1024           # query rows per grid step, at most (a prefill chunk's R x T rows are split; each
-                         # query block reads the row's keys again)
+Q_ROWS = 1024            # query rows per grid step, at most (a prefill chunk's rows are split into runs of
+                         # whole tokens; each run reads the row's keys again, up to its own last token)
 
 
 def supported(share: int, block: int, dk: int, dv: int) -> bool:
@@ -64,65 +68,65 @@ def supported(share: int, block: int, dk: int, dv: int) -> bool:
     return block % LANES == 0 and share >= block and dk > 0 and dv > 0
 
 
-def row_blocks(write_at: jax.Array, t: int, live: jax.Array, share: int, block: int, first) -> jax.Array:
-    """int32 [B]: the key blocks of a share (``share`` slots from global slot ``first``) that row b
-    reads after a call of ``t`` tokens written at ``write_at[b]``: those up to its last slot
-    ``write_at[b] + t - 1``; none for a row without a real token in the call (``live[b]`` False) or
-    whose slots all lie before the share."""
-    reach = jnp.where(live, write_at + t, 0) - first
+def token_blocks(write_at: jax.Array, t: int, live: jax.Array, share: int, block: int, first) -> jax.Array:
+    """int32 [B, T]: the key blocks of a share (``share`` slots from global slot ``first``) that token i
+    of row b reads in a call of ``t`` tokens written at ``write_at[b]``: those up to its own slot
+    ``write_at[b] + i``; none for a row without a real token in the call (``live[b]`` False) or a
+    token whose slots all lie before the share."""
+    reach = write_at[:, None] + jnp.arange(1, t + 1, dtype=jnp.int32)[None, :]
+    reach = jnp.where(live[:, None], reach, 0) - first
     return jnp.clip(-(-reach // block), 0, -(-share // block)).astype(jnp.int32)
 
 
 def block_read(j, n_blocks):
-    """The key block grid step ``j`` brings in for a row that reads ``n_blocks``: block ``j`` up to the
-    row's last one, then that last one again (the block already resident, so the pipeline moves
-    nothing for the steps past the row's fill); block 0 for a row that reads none."""
+    """The key block grid step ``j`` brings in for a (row, query block) that reads ``n_blocks``: block
+    ``j`` up to its last one, then that last one again (the block already resident, so the pipeline
+    moves nothing for the steps past the fill); block 0 for one that reads none."""
     return jnp.minimum(j, jnp.maximum(n_blocks - 1, 0))
 
 
-def query_block(m: int) -> int:
-    """Query rows per grid step: all ``m`` up to :data:`Q_BLOCK`, else the largest divisor of ``m``
-    that is a multiple of 8 and at most :data:`Q_BLOCK` (``m`` itself if there is none)."""
-    if m <= Q_BLOCK:
-        return m
-    return next((d for d in range(Q_BLOCK, 7, -8) if m % d == 0), m)
+def tokens_per_block(t: int, per_token: int) -> int:
+    """Tokens per query block: all ``t`` while their ``t * per_token`` rows are at most :data:`Q_ROWS`,
+    else the largest divisor of ``t`` that is a multiple of 8 and keeps a block within it (``t``
+    itself if there is none)."""
+    if t * per_token <= Q_ROWS:
+        return t
+    return next((d for d in range(Q_ROWS // per_token // 8 * 8, 7, -8) if t % d == 0), t)
 
 
 def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float,
                      token_mask=None, interpret: bool = False):
-    """The kernel (module docstring); ``(m [B, G, M], l [B, G, M], acc [B, G, M, Dv])``, float32.
-
-    ``v`` None: the values are the keys (GLM's latent cache), read once. ``token_mask [B, T, S]``
-    (instead of ``key_valid`` and ``query_slot``, which are then unused): the slots each query token
-    sees, the query rows token-major (row ``t * (M // T) + j`` belongs to token t)."""
+    """The kernel (module docstring); ``(m [B, G, M], l [B, G, M], acc [B, G, M, Dv])``, float32."""
     b, g, m, dk = q.shape
+    t = n_blocks.shape[1]
     share = k.shape[2]
     dv = dk if v is None else v.shape[-1]
-    if not supported(share, block, dk, dv):
+    if not supported(share, block, dk, dv) or m % t:
         raise ValueError(f"ragged_attention: a share of {share} slots in blocks of {block} (the block must be a "
-                         f"multiple of 128 and at most the share)")
-    tokens = None if token_mask is None else token_mask.shape[1]
-    mq = query_block(m) if tokens is None else m           # a token mask: the call's query rows at once
-    n_q, n_k = m // mq, -(-share // block)
+                         f"multiple of 128 and at most the share), {m} query rows for {t} tokens")
+    per_token = m // t
+    tq = tokens_per_block(t, per_token)
+    mq, n_q, n_k = tq * per_token, t // tq, -(-share // block)
+    counts = n_blocks.astype(jnp.int32).reshape(b, n_q, tq).max(axis=2).reshape(-1)      # per (row, query block)
     first = jnp.reshape(jnp.asarray(first, jnp.int32), (1,))
 
-    def last(j, row, nb):
-        return block_read(j, nb[row])
+    def last(r, i, j, nb):
+        return block_read(j, nb[r * n_q + i])
 
     # a step takes every KV head of the call (the chip's), so that it moves enough bytes to hide its
     # fixed cost: 4 heads x 512 slots x (256 + 256) x 2 bytes = 2 MiB for Qwen3.8-27B on a v5e-8
     in_specs = [pl.BlockSpec((None, g, mq, dk), lambda r, i, j, nb, f: (r, 0, i, 0)),
-                pl.BlockSpec((None, g, block, dk), lambda r, i, j, nb, f: (r, 0, last(j, r, nb), 0))]
+                pl.BlockSpec((None, g, block, dk), lambda r, i, j, nb, f: (r, 0, last(r, i, j, nb), 0))]
     operands = [q, k]
     if v is not None:
-        in_specs.append(pl.BlockSpec((None, g, block, dv), lambda r, i, j, nb, f: (r, 0, last(j, r, nb), 0)))
+        in_specs.append(pl.BlockSpec((None, g, block, dv), lambda r, i, j, nb, f: (r, 0, last(r, i, j, nb), 0)))
         operands.append(v)
     if token_mask is None:
-        in_specs += [pl.BlockSpec((None, 1, block), lambda r, i, j, nb, f: (r, 0, last(j, r, nb))),
-                     pl.BlockSpec((None, mq, 1), lambda r, i, j, nb, f: (r, i, 0))]
+        in_specs += [pl.BlockSpec((None, 1, block), lambda r, i, j, nb, f: (r, 0, last(r, i, j, nb))),
+                     pl.BlockSpec((None, tq, 1), lambda r, i, j, nb, f: (r, i, 0))]
         operands += [key_valid.astype(jnp.int32)[:, None, :], query_slot.astype(jnp.int32)[:, :, None]]
     else:
-        in_specs.append(pl.BlockSpec((None, tokens, block), lambda r, i, j, nb, f: (r, 0, last(j, r, nb))))
+        in_specs.append(pl.BlockSpec((None, tq, block), lambda r, i, j, nb, f: (r, i, last(r, i, j, nb))))
         operands.append(token_mask.astype(jnp.int32))
     stat_spec = pl.BlockSpec((None, g, mq, LANES), lambda r, i, j, nb, f: (r, 0, i, 0))
     acc_spec = pl.BlockSpec((None, g, mq, dv), lambda r, i, j, nb, f: (r, 0, i, 0))
@@ -133,30 +137,31 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
     step_bytes = g * block * (dk + (0 if v is None else dv)) * k.dtype.itemsize
     record("ragged_attention", b * n_q * n_k, step_bytes, b * n_q * n_k * step_bytes, share, block)
     state = g * mq * (2 * LANES + dv) * 4
-    mask_bytes = block * 4 * (tokens or 1) + mq * 4
-    vmem = 2 * (g * mq * dk * q.dtype.itemsize + step_bytes + mask_bytes + state) + state + 4 * mq * block * 4
+    mask_bytes = block * 4 * tq + tq * 4
+    vmem = 2 * (g * mq * dk * q.dtype.itemsize + step_bytes + mask_bytes + state) + state + 6 * mq * block * 4
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                   vmem_limit_bytes=None if vmem <= 12 << 20 else min(100 << 20, vmem * 3 // 2))
-    kernel = functools.partial(_kernel, block=block, scale=scale, n_k=n_k, share=share, heads=g,
-                               shared_values=v is None, tokens=tokens)
+    kernel = functools.partial(_kernel, block=block, scale=scale, n_q=n_q, n_k=n_k, share=share, heads=g,
+                               shared_values=v is None, masked=token_mask is not None, per_token=per_token)
     m_out, l_out, acc = pl.pallas_call(
         kernel, grid_spec=grid_spec, compiler_params=params, interpret=interpret,
         out_shape=[jax.ShapeDtypeStruct((b, g, m, LANES), F32), jax.ShapeDtypeStruct((b, g, m, LANES), F32),
                    jax.ShapeDtypeStruct((b, g, m, dv), F32)],
-    )(n_blocks.astype(jnp.int32), first, *operands)
+    )(counts, first, *operands)
     return m_out[..., 0], l_out[..., 0], acc
 
 
-def _kernel(nb_ref, first_ref, *refs, block: int, scale: float, n_k: int, share: int, heads: int,
-            shared_values: bool, tokens: int | None):
+def _kernel(nb_ref, first_ref, *refs, block: int, scale: float, n_q: int, n_k: int, share: int, heads: int,
+            shared_values: bool, masked: bool, per_token: int):
     q_ref, k_ref, *refs = refs
     v_ref = k_ref if shared_values else refs.pop(0)
-    if tokens is None:
-        valid_ref, slot_ref, m_ref, l_ref, acc_ref, m_sc, l_sc, acc_sc = refs
-    else:
+    if masked:
         mask_ref, m_ref, l_ref, acc_ref, m_sc, l_sc, acc_sc = refs
-    row, j = pl.program_id(0), pl.program_id(2)
+    else:
+        valid_ref, slot_ref, m_ref, l_ref, acc_ref, m_sc, l_sc, acc_sc = refs
+    row, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     mq = q_ref.shape[1]
+    tq = mq // per_token
 
     @pl.when(j == 0)
     def _():
@@ -164,16 +169,20 @@ def _kernel(nb_ref, first_ref, *refs, block: int, scale: float, n_k: int, share:
         l_sc[...] = jnp.zeros(l_sc.shape, F32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
 
-    @pl.when(j < nb_ref[row])
+    @pl.when(j < nb_ref[row * n_q + i])
     def _():
         local = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
         inside = local < share                      # a last block past the share: the rest is not the cache's
-        if tokens is None:
-            visible = inside & (valid_ref[...] != 0) & (first_ref[0] + local <= slot_ref[...])   # [Mq, block]
-        else:                                       # each token's slots, for its query rows (token-major)
-            per_token = mq // tokens
-            seen = mask_ref[...] != 0                                                # [T, block]
-            visible = inside & jnp.broadcast_to(seen[:, None, :], (tokens, per_token, block)).reshape(mq, block)
+        if masked:
+            seen = inside & (mask_ref[...] != 0)                                     # [tq, block]
+        else:
+            seen = inside & (valid_ref[...] != 0) & (first_ref[0] + local <= slot_ref[...])
+        if per_token == 1:
+            visible = seen
+        else:                                       # token t's slots to its rows t*P .. t*P+P-1 (exact 0/1 sums)
+            owner = jax.lax.broadcasted_iota(jnp.int32, (mq, tq), 0) // per_token
+            spread = (owner == jax.lax.broadcasted_iota(jnp.int32, (mq, tq), 1)).astype(jnp.bfloat16)
+            visible = jnp.dot(spread, seen.astype(jnp.bfloat16), preferred_element_type=F32) > 0.5   # [Mq, block]
         rows_inside = j * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < share
         for h in range(heads):                      # the KV heads of the step, each with its query rows
             q, k, v = q_ref[h], k_ref[h], v_ref[h]
@@ -214,22 +223,26 @@ def combine(m: jax.Array, l: jax.Array, acc: jax.Array, axis: str) -> jax.Array:
 
 def reference_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float,
                         token_mask=None):
-    """jnp twin of :func:`ragged_attention`: the whole share at once, each row masked to its own
-    ``n_blocks`` blocks; the same ``(m, l, acc)``."""
+    """jnp twin of :func:`ragged_attention`: the whole share at once, each query block masked to the
+    blocks it reads; the same ``(m, l, acc)``."""
     b, g, m, dk = q.shape
-    share = k.shape[2]
+    t, share = n_blocks.shape[1], k.shape[2]
+    per_token = m // t
+    tq = tokens_per_block(t, per_token)
     v = k if v is None else v
     k, v = k[:b], v[:b]
     s = jnp.einsum("bgmd,bgsd->bgms", q, k.astype(q.dtype), precision=precision_for(q.dtype),
                    preferred_element_type=F32) * scale
     local = jnp.arange(share, dtype=jnp.int32)
-    read = local[None, :] < (n_blocks * block)[:, None]                              # [B, S] blocks the row reads
+    counts = jnp.repeat(n_blocks.reshape(b, t // tq, tq).max(axis=2), tq * per_token, axis=1)     # [B, M]
+    read = local[None, None, :] < (counts * block)[:, :, None]                         # [B, M, S]
     if token_mask is None:
-        visible = key_valid[:b, None, :] & (first + local[None, None, :] <= query_slot[:, :, None])  # [B, M, S]
+        seen = key_valid[:b, None, :] & (first + local[None, None, :] <= query_slot[:, :, None])   # [B, T, S]
     else:
-        visible = jnp.repeat(token_mask[:b].astype(bool), m // token_mask.shape[1], axis=1)
+        seen = token_mask[:b].astype(bool)
+    visible = jnp.repeat(seen, per_token, axis=1)
     s = jnp.where(visible[:, None], s, F32_MIN)
-    s = jnp.where(read[:, None, None, :], s, -jnp.inf)                               # unread: outside the softmax
+    s = jnp.where(read[:, None], s, -jnp.inf)                                          # unread: outside the softmax
     m_out = jnp.max(s, axis=-1)
     m_out = jnp.where(jnp.isneginf(m_out), F32_MIN, m_out)
     p = jnp.exp(s - m_out[..., None])

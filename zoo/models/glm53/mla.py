@@ -384,7 +384,7 @@ def kernel_latent_share(q_latent, c, pools, key_pos, query_pos, write_at, live, 
     share = c.shape[1]
     block = kernel_block(share)
     first = 0 if axis is None else jax.lax.axis_index(axis) * share
-    n_blocks = ragged.row_blocks(write_at, t, live, share, block, first)
+    n_blocks = ragged.token_blocks(write_at, t, live, share, block, first)
     seen = pool_visibility(pools, first_rows(key_pos, b), query_pos, pool, select_tail)          # [B, T, S]
     m, l, acc = ragged.ragged_attention(q_latent.reshape(b, 1, t * h, ch), c[:, None], None, None, None,  # noqa: E741
                                         n_blocks, first, block=block, scale=scale, token_mask=seen,

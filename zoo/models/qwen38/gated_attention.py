@@ -254,13 +254,12 @@ def kernel_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, ax
     r = h // g
     block = kernel_block(share)
     first = 0 if axis is None else jax.lax.axis_index(axis) * share
-    n_blocks = ragged.row_blocks(write_at, t, live, share, block, first)
-    qg = jnp.moveaxis(q.reshape(b, t, g, r, dk), 1, 3).reshape(b, g, r * t, dk)     # query row r * T + t
-    query_rows = jnp.tile(query_slot, (1, r))
-    m, l, acc = ragged.ragged_attention(qg, k, v, key_valid, query_rows, n_blocks, first, block=block,  # noqa: E741
+    n_blocks = ragged.token_blocks(write_at, t, live, share, block, first)
+    qg = jnp.moveaxis(q.reshape(b, t, g, r, dk), 1, 2).reshape(b, g, t * r, dk)    # token-major: row t * R + r
+    m, l, acc = ragged.ragged_attention(qg, k, v, key_valid, query_slot, n_blocks, first, block=block,  # noqa: E741
                                         scale=scale, interpret=interpret)
     out = ragged.finish(m, l, acc) if axis is None else ragged.combine(m, l, acc, axis)
-    return jnp.moveaxis(out.reshape(b, g, r, t, dv), 3, 1).reshape(b, t, h, dv).astype(q.dtype)
+    return jnp.moveaxis(out.reshape(b, g, t, r, dv), 2, 1).reshape(b, t, h, dv).astype(q.dtype)
 
 
 class GatedAttention(nnx.Module):
