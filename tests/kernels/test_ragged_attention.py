@@ -227,22 +227,37 @@ def test_tpu_compiler_takes_the_latent_variant_at_full_size():
     assert compiled.memory_analysis().temp_size_in_bytes < 1 << 20
 
 
-def test_shared_values_and_token_mask_equal_the_reference():
-    """The latent variant: values are the keys (one array, read once), the slots each token sees a
-    ``[B, T, S]`` mask, its query rows token-major; a last block past the share; a row reading none."""
+def test_shared_values_and_pool_selection_equal_the_reference():
+    """The latent variant: values are the keys (one array, read once); the slots each token sees come
+    from its pool flags, looked up per block in the kernel, equal to ``pool_visibility``'s mask. Row 0
+    holds positions from 2,000 (its pool windows start past lane 0) with empty slots between; row 1
+    from 0; row 2 reads nothing. A last block runs past the share."""
+    from zoo.models.glm53.mla import pool_visibility
     rng = np.random.default_rng(3)
-    b, t, h, share, d = 3, 3, 8, 1100, 64
+    b, t, h, share, d, pool = 3, 3, 8, 1100, 64, 4
+    key_pos = np.full((b, share), -1, np.int32)
+    key_pos[0, :1050] = 2000 + np.arange(1050)
+    key_pos[0, 10:13] = -1                                            # padding slots: positions go on after
+    key_pos[0, 13:1050] = 2010 + np.arange(1037)
+    key_pos[1, :300] = np.arange(300)
+    query_pos = np.stack([key_pos[0, 1047:1050], key_pos[1, 297:300], [0, 1, 2]]).astype(np.int32)
+    n_pools = 4096 // pool
+    pools = jnp.asarray(rng.random((b, t, n_pools)) < 0.4)
+    sel = ra.PoolSelection(pools, jnp.asarray(key_pos), jnp.asarray(query_pos), pool, True)
     q = jnp.asarray(rng.standard_normal((b, 1, t * h, d)), jnp.float32)
     c = jnp.asarray(rng.standard_normal((b, 1, share, d)), jnp.float32)
-    mask = jnp.asarray(rng.random((b, t, share)) < 0.5)
     n_blocks = jnp.asarray([[5] * t, [2] * t, [0] * t], jnp.int32)
-    run = functools.partial(ra.ragged_attention, block=256, scale=0.1, token_mask=mask)
-    ours = run(q, c, None, None, None, n_blocks, 0, interpret=True)
+    ours = ra.ragged_attention(q, c, None, None, None, n_blocks, 0, block=256, scale=0.1, selection=sel,
+                               interpret=True)
+    mask = pool_visibility(pools, jnp.asarray(key_pos), jnp.asarray(query_pos), pool, True)      # [B, T, S]
     ref = ra.reference_attention(q, c, None, None, None, n_blocks, 0, block=256, scale=0.1, token_mask=mask)
     for a, r, name in zip(ours, ref, ("m", "l", "acc")):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-6, atol=2e-5, err_msg=name)
     out = np.asarray(ra.finish(*ours))
     assert np.isfinite(out).all() and (out[2] == 0).all()
+    assert int(np.asarray(mask[0]).sum()) > 100 and ra.pool_window(pool, 256) == 256
+    assert ra.window_starts(jnp.asarray(key_pos), 2, pool, 256, 5, 256).reshape(2, 5)[0].tolist() == [
+        384, 512, 512, 640, 640]                  # each block's first pool (500, 563, 627, 691, 755), to 128s
     # row 0 reads every block: the whole-window softmax of each token over the slots it sees
     scores = jnp.einsum("md,sd->ms", q[0, 0], c[0, 0]) * 0.1
     seen = jnp.repeat(mask[0], h, axis=0)
@@ -250,25 +265,22 @@ def test_shared_values_and_token_mask_equal_the_reference():
     assert rel_err(out[0, 0], whole) <= 1e-6
 
 
-@pytest.mark.parametrize("length,filled,t", [(1024, [300, 40], 1), (1100, [1000, 1090], 5), (4096, [60, 3000], 2)])
-def test_latent_attention_through_the_kernel(length, filled, t):
-    """GLM's ``filled_latent_attention`` for a decode or verify call under the TPU policy: the
-    kernel (interpret mode), equal to the whole-window reference; a prefill-sized call (more than
-    ``KERNEL_TOKENS``) keeps the jnp blocks."""
+@pytest.mark.parametrize("length,filled,t", [(1024, [300, 40], 1), (1100, [1000, 1090], 5), (4096, [60, 3000], 2),
+                                             (4096, [1500, 1500], 64)])
+def test_latent_attention_through_the_kernel(monkeypatch, length, filled, t):
+    """GLM's ``filled_latent_attention`` under the TPU policy: the kernel (interpret mode) for decode,
+    verify and prefill-sized calls (64 tokens in query blocks of 16), equal to the whole-window
+    reference."""
     from tests.models.glm53.test_filled_latent_attention import POOL, C, reference
     from tests.models.glm53.test_filled_latent_attention import case as latent_case
-    from zoo.models.glm53.mla import KERNEL_TOKENS, filled_latent_attention
+    from zoo.models.glm53.mla import filled_latent_attention
+    monkeypatch.setattr(ra, "Q_ROWS", 48)                          # 3 heads a token: 16 tokens a query block
     q, c, pools, key_pos, query_pos, write_at = latent_case(length, filled, t)
     attend = jax.jit(functools.partial(filled_latent_attention, pool=POOL, select_tail=True), static_argnums=6)
     with use_policy(TPU_INTERPRET), kernel_census() as calls:
         ours = attend(q, c, pools, key_pos, query_pos, write_at, C ** -0.5)
     assert [c.kernel for c in calls] == ["ragged_attention"]
     assert rel_err(ours, reference(q, c, pools, key_pos, query_pos, C ** -0.5)) <= 1e-6
-    long_call = latent_case(length, [0, 0], KERNEL_TOKENS + 1)
-    with use_policy(TPU_INTERPRET), kernel_census() as calls:
-        jax.jit(functools.partial(filled_latent_attention, pool=POOL, select_tail=True),
-                static_argnums=6).lower(*long_call, C ** -0.5)
-    assert calls == []
 
 
 def test_latent_split_over_chips_through_the_kernel():

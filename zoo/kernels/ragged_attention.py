@@ -1,7 +1,7 @@
 """Attention over the filled part of each row's slot cache: a Pallas TPU kernel with per-row (and
 per-token) lengths that skips empty key blocks (flash-decoding style), and its jnp reference.
 
-    ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block, scale, token_mask=None)
+    ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block, scale, selection=None)
         -> (m, l, acc)
         q           [B, G, M, Dk]    M = T * P query rows per KV head, token-major: rows t*P .. t*P+P-1
                                      are token t's (the P heads of a group; all H heads for GLM's MLA)
@@ -12,8 +12,8 @@ per-token) lengths that skips empty key blocks (flash-decoding style), and its j
         query_slot  [B, T] int32     the global slot of each token (it reads slots <= its own)
         n_blocks    [B, T] int32     key blocks token t of row b reads: blocks 0 .. n_blocks-1 of ``block``
         first       int32 scalar     the global slot of the share's slot 0
-        token_mask  [B, T, S] bool   instead of ``key_valid`` and ``query_slot`` (then unused): the slots
-                                     each token sees (GLM's indexer selection over the share)
+        selection   PoolSelection    instead of ``key_valid`` and ``query_slot`` (then unused): the slots
+                                     each token sees from GLM's indexer (its pools, the slots' positions)
       -> m, l  float32 [B, G, M]      running max of the scores, sum of exp(score - m)
          acc   float32 [B, G, M, Dv]  sum of exp(score - m) * v
     token_blocks(write_at [B], t, live [B], share, block, first) -> n_blocks [B, T]
@@ -30,8 +30,11 @@ step's cost therefore follows the tokens each row holds: a row at 4k of a 32k wi
 keys whatever the other rows hold, and in a prefill chunk the first tokens do not read the slots of
 the last. The counts come in by scalar prefetch, so one program serves every fill level.
 
-The slots a token sees are made per token (``[tokens, block]``: from ``key_valid`` and causality, or
-from ``token_mask``) and spread to its query rows with a 0/1 matmul (exact), so any head count works.
+The slots a token sees are made per token and block (``[tokens, block]``: from ``key_valid`` and
+causality, or from the token's pool flags at each slot's pool: a row's positions rise by one per slot,
+so a block's slots span at most ``block / pool + 1`` pools, read as a 128-aligned lane window of the
+flags (``pool_window``, ``window_starts``) and gathered 128 lanes at a time) and spread to the
+token's query rows with a 0/1 matmul (exact), so any head count works.
 Scores and the softmax are float32; the values are mixed in v's dtype with float32 accumulation, as
 ``zoo.models.qwen38.gated_attention.grouped_attention`` does. A query row with no visible key in the
 blocks it reads (padding) averages them, as ``zoo.models.shared.filled_blocks.online_softmax`` does;
@@ -47,6 +50,7 @@ with NaN, which the tests rely on). The caller falls back to the jnp blocks othe
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,8 +98,42 @@ def tokens_per_block(t: int, per_token: int) -> int:
     return next((d for d in range(Q_ROWS // per_token // 8 * 8, 7, -8) if t % d == 0), t)
 
 
+class PoolSelection(NamedTuple):
+    """The slots each token sees, from GLM's sparse indexer: the slot's pool (``pool`` consecutive
+    positions) is selected for the token, or (``select_tail``) lies in the token's own incomplete pool,
+    and it holds a position at or before the token's (``zoo.models.glm53.mla.pool_visibility``).
+
+    pools      [B, T, NP] bool   the selected pools of each token (whole: every pool of the window)
+    key_pos    [Bc, S] int32     the position each slot of the share holds (-1: empty)
+    query_pos  [B, T] int32      each token's position
+    """
+
+    pools: jax.Array
+    key_pos: jax.Array
+    query_pos: jax.Array
+    pool: int
+    select_tail: bool
+
+
+def pool_window(pool: int, block: int) -> int:
+    """Lanes of a token's pool flags a key block can need: the pools its positions span (a row's
+    positions rise by one per slot, with empty slots between: at most ``block`` positions) from a
+    start aligned down to 128 lanes."""
+    return -(-((block - 1) // pool + 1 + LANES - 1) // LANES) * LANES
+
+
+def window_starts(key_pos: jax.Array, rows: int, pool: int, block: int, n_k: int, width: int) -> jax.Array:
+    """int32 [rows * n_k]: for each row and key block, the first pool-flag lane its window reads (the
+    block's smallest pool, aligned down to 128; 0 for a block without a token)."""
+    kp = key_pos[:rows]
+    kp = jnp.pad(kp, ((0, 0), (0, n_k * block - kp.shape[1])), constant_values=-1).reshape(rows, n_k, block)
+    lowest = jnp.min(jnp.where(kp >= 0, kp // pool, jnp.iinfo(jnp.int32).max), axis=2)
+    lowest = jnp.where(lowest == jnp.iinfo(jnp.int32).max, 0, lowest)
+    return (lowest // LANES * LANES).astype(jnp.int32).reshape(-1)
+
+
 def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float,
-                     token_mask=None, interpret: bool = False):
+                     selection: PoolSelection | None = None, interpret: bool = False):
     """The kernel (module docstring); ``(m [B, G, M], l [B, G, M], acc [B, G, M, Dv])``, float32."""
     b, g, m, dk = q.shape
     t = n_blocks.shape[1]
@@ -115,50 +153,75 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
 
     # a step takes every KV head of the call (the chip's), so that it moves enough bytes to hide its
     # fixed cost: 4 heads x 512 slots x (256 + 256) x 2 bytes = 2 MiB for Qwen3.8-27B on a v5e-8
-    in_specs = [pl.BlockSpec((None, g, mq, dk), lambda r, i, j, nb, f: (r, 0, i, 0)),
-                pl.BlockSpec((None, g, block, dk), lambda r, i, j, nb, f: (r, 0, last(r, i, j, nb), 0))]
+    in_specs = [pl.BlockSpec((None, g, mq, dk), lambda r, i, j, nb, *_: (r, 0, i, 0)),
+                pl.BlockSpec((None, g, block, dk), lambda r, i, j, nb, *_: (r, 0, last(r, i, j, nb), 0))]
     operands = [q, k]
     if v is not None:
-        in_specs.append(pl.BlockSpec((None, g, block, dv), lambda r, i, j, nb, f: (r, 0, last(r, i, j, nb), 0)))
+        in_specs.append(pl.BlockSpec((None, g, block, dv), lambda r, i, j, nb, *_: (r, 0, last(r, i, j, nb), 0)))
         operands.append(v)
-    if token_mask is None:
-        in_specs += [pl.BlockSpec((None, 1, block), lambda r, i, j, nb, f: (r, 0, last(r, i, j, nb))),
-                     pl.BlockSpec((None, tq, 1), lambda r, i, j, nb, f: (r, i, 0))]
+    slots_spec = pl.BlockSpec((None, 1, block), lambda r, i, j, nb, *_: (r, 0, last(r, i, j, nb)))
+    tokens_spec = pl.BlockSpec((None, tq, 1), lambda r, i, j, nb, *_: (r, i, 0))
+    width, starts = 0, jnp.zeros((1,), jnp.int32)
+    if selection is None:
+        in_specs += [slots_spec, tokens_spec]
         operands += [key_valid.astype(jnp.int32)[:, None, :], query_slot.astype(jnp.int32)[:, :, None]]
     else:
-        in_specs.append(pl.BlockSpec((None, tq, block), lambda r, i, j, nb, f: (r, i, last(r, i, j, nb))))
-        operands.append(token_mask.astype(jnp.int32))
-    stat_spec = pl.BlockSpec((None, g, mq, LANES), lambda r, i, j, nb, f: (r, 0, i, 0))
-    acc_spec = pl.BlockSpec((None, g, mq, dv), lambda r, i, j, nb, f: (r, 0, i, 0))
+        width = pool_window(selection.pool, block)
+        n_pools = selection.pools.shape[2]
+        lanes = -(-n_pools // LANES) * LANES + width                      # every window stays inside
+        flags = jnp.pad(selection.pools.astype(jnp.int32), ((0, 0), (0, 0), (0, lanes - n_pools)))
+        starts = window_starts(selection.key_pos, b, selection.pool, block, n_k, width)
+        in_specs += [slots_spec, tokens_spec, pl.BlockSpec((None, tq, lanes), lambda r, i, j, nb, *_: (r, i, 0))]
+        operands += [selection.key_pos.astype(jnp.int32)[:, None, :],
+                     selection.query_pos.astype(jnp.int32)[:, :, None], flags]
+    stat_spec = pl.BlockSpec((None, g, mq, LANES), lambda r, i, j, nb, *_: (r, 0, i, 0))
+    acc_spec = pl.BlockSpec((None, g, mq, dv), lambda r, i, j, nb, *_: (r, 0, i, 0))
     stats = [pltpu.VMEM((g, mq, LANES), F32), pltpu.VMEM((g, mq, LANES), F32), pltpu.VMEM((g, mq, dv), F32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(b, n_q, n_k), in_specs=in_specs,
+        num_scalar_prefetch=3, grid=(b, n_q, n_k), in_specs=in_specs,
         out_specs=[stat_spec, stat_spec, acc_spec], scratch_shapes=stats)
     step_bytes = g * block * (dk + (0 if v is None else dv)) * k.dtype.itemsize
     record("ragged_attention", b * n_q * n_k, step_bytes, b * n_q * n_k * step_bytes, share, block)
     state = g * mq * (2 * LANES + dv) * 4
-    mask_bytes = block * 4 * tq + tq * 4
+    mask_bytes = block * 4 + tq * 4 + (0 if selection is None else tq * operands[-1].shape[2] * 4)
     vmem = 2 * (g * mq * dk * q.dtype.itemsize + step_bytes + mask_bytes + state) + state + 6 * mq * block * 4
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                   vmem_limit_bytes=None if vmem <= 12 << 20 else min(100 << 20, vmem * 3 // 2))
-    kernel = functools.partial(_kernel, block=block, scale=scale, n_q=n_q, n_k=n_k, share=share, heads=g,
-                               shared_values=v is None, masked=token_mask is not None, per_token=per_token)
+    kernel = functools.partial(
+        _kernel, block=block, scale=scale, n_q=n_q, n_k=n_k, share=share, heads=g, shared_values=v is None,
+        per_token=per_token, pools=None if selection is None else (selection.pool, selection.select_tail, width))
     m_out, l_out, acc = pl.pallas_call(
         kernel, grid_spec=grid_spec, compiler_params=params, interpret=interpret,
         out_shape=[jax.ShapeDtypeStruct((b, g, m, LANES), F32), jax.ShapeDtypeStruct((b, g, m, LANES), F32),
                    jax.ShapeDtypeStruct((b, g, m, dv), F32)],
-    )(counts, first, *operands)
+    )(counts, first, starts, *operands)
     return m_out[..., 0], l_out[..., 0], acc
 
 
-def _kernel(nb_ref, first_ref, *refs, block: int, scale: float, n_q: int, n_k: int, share: int, heads: int,
-            shared_values: bool, masked: bool, per_token: int):
+def _lane_gather(table: jax.Array, index: jax.Array) -> jax.Array:
+    """``table [R, W]`` (W a multiple of 128) at lane ``index [1, N]`` (N a multiple of 128, each in
+    ``[0, W)``) for every row: ``[R, N]``, by 128-lane gathers (one per 128-lane slice of the table,
+    kept where the index's high bits select it)."""
+    rows = table.shape[0]
+    tiles = []
+    for o in range(index.shape[1] // LANES):
+        idx = jnp.broadcast_to(index[:, o * LANES:(o + 1) * LANES], (rows, LANES))
+        out = jnp.zeros((rows, LANES), table.dtype)
+        for c in range(table.shape[1] // LANES):
+            got = jnp.take_along_axis(table[:, c * LANES:(c + 1) * LANES], idx & (LANES - 1), axis=-1)
+            out = jnp.where(jnp.right_shift(idx, 7) == c, got, out)
+        tiles.append(out)
+    return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=1)
+
+
+def _kernel(nb_ref, first_ref, start_ref, *refs, block: int, scale: float, n_q: int, n_k: int, share: int,
+            heads: int, shared_values: bool, per_token: int, pools):
     q_ref, k_ref, *refs = refs
     v_ref = k_ref if shared_values else refs.pop(0)
-    if masked:
-        mask_ref, m_ref, l_ref, acc_ref, m_sc, l_sc, acc_sc = refs
-    else:
+    if pools is None:
         valid_ref, slot_ref, m_ref, l_ref, acc_ref, m_sc, l_sc, acc_sc = refs
+    else:
+        kpos_ref, qpos_ref, flags_ref, m_ref, l_ref, acc_ref, m_sc, l_sc, acc_sc = refs
     row, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     mq = q_ref.shape[1]
     tq = mq // per_token
@@ -173,10 +236,18 @@ def _kernel(nb_ref, first_ref, *refs, block: int, scale: float, n_q: int, n_k: i
     def _():
         local = j * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
         inside = local < share                      # a last block past the share: the rest is not the cache's
-        if masked:
-            seen = inside & (mask_ref[...] != 0)                                     # [tq, block]
-        else:
-            seen = inside & (valid_ref[...] != 0) & (first_ref[0] + local <= slot_ref[...])
+        if pools is None:
+            seen = inside & (valid_ref[...] != 0) & (first_ref[0] + local <= slot_ref[...])   # [tq, block]
+        else:                                       # the token's pool flags at each slot's pool
+            pool, select_tail, width = pools
+            kp, qp = kpos_ref[...], qpos_ref[...]                                      # [1, block], [tq, 1]
+            start = start_ref[row * n_k + j]
+            window = flags_ref[:, pl.ds(pl.multiple_of(start, LANES), width)]          # [tq, width]
+            lane = jnp.clip(jnp.where(kp >= 0, kp // pool - start, 0), 0, width - 1)
+            seen = _lane_gather(window, lane) != 0
+            if select_tail:
+                seen = seen | (kp >= (qp + 1) - (qp + 1) % pool)
+            seen = seen & inside & (kp >= 0) & (kp <= qp)
         if per_token == 1:
             visible = seen
         else:                                       # token t's slots to its rows t*P .. t*P+P-1 (exact 0/1 sums)

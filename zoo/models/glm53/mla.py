@@ -17,9 +17,9 @@ Indexer ("full" layers; scores in true f32), for queries at position p:
   candidate are scored, block by block into a running top-k (``select_top_pools``). The result is
   the selected pools [B, T, NP] that "shared" layers reuse; the attention turns them into the slots
   a query sees block by block (``pool_visibility``), reading only the filled blocks (no [B, T, L]
-  mask is built). On TPU a call of up to ``KERNEL_TOKENS`` tokens (decode, a verify) runs the Pallas
-  kernel with per-row lengths instead (``kernel_latent_attention``: each row its own blocks, the
-  latent read once; its ``[B, T, S]`` mask is small at these T).
+  mask is built). On TPU the Pallas kernel with per-row lengths runs instead
+  (``kernel_latent_attention``: each row, and each run of a piece's tokens, its own blocks; the
+  latent read once; the pool flags looked up per block in the kernel).
 
 Positions are token counts per row (padding excluded), so left padding does not shift the pools.
 Cache per MLA layer: ``LatentCache(latent [B, L, C], indexer)``; on full-indexer layers ``indexer`` is an
@@ -61,7 +61,6 @@ from zoo.sharding.mesh import current_spec
 HIGHEST = jax.lax.Precision.HIGHEST
 POOL_BLOCKS = (2048, 1024, 512, 256)    # pools the indexer scores per block (``select_top_pools``)
 F32_MIN = jnp.finfo(jnp.float32).min
-KERNEL_TOKENS = 16                      # calls of up to this many tokens take the Pallas kernel on TPU
 
 
 class Positions(NamedTuple):
@@ -297,7 +296,7 @@ def filled_latent_attention(q_latent: jax.Array, c: jax.Array, pools: jax.Array,
     spec = current_spec(LatentCache.AXES["latent"], c.shape)
     visibility = dict(pool=pool, select_tail=select_tail)
     kernel = attention_kernel()
-    if kernel is not None and t <= KERNEL_TOKENS and _kernel_takes(length, spec):
+    if kernel is not None and _kernel_takes(length, spec):
         live = jnp.ones(write_at.shape, bool) if live is None else live
         return kernel_latent_attention(q_latent, c, pools, key_pos, query_pos, write_at, live, scale, spec,
                                        **visibility, **kernel)
@@ -358,12 +357,12 @@ def _kernel_takes(length: int, spec: P | None) -> bool:
 
 def kernel_latent_attention(q_latent, c, pools, key_pos, query_pos, write_at, live, scale: float, spec: P | None,
                             *, pool: int, select_tail: bool, interpret: bool = False) -> jax.Array:
-    """:func:`filled_latent_attention` by the Pallas kernel (``zoo.kernels.ragged_attention``) for a
-    call of up to :data:`KERNEL_TOKENS` tokens (decode, a speculative verify): each row reads its own
-    filled latent blocks, once (the latent is both keys and values); the slots each token sees are
-    made from the selected pools over the chip's share (``[B, T, S]``, small for these T). Where the
-    mesh splits the latent over its slots it runs in ``shard_map`` and the partial sums are combined
-    across the axis. Returns [B, T, H, C] in q's dtype."""
+    """:func:`filled_latent_attention` by the Pallas kernel (``zoo.kernels.ragged_attention``): each
+    row, and each run of a prefill piece's tokens, reads its own filled latent blocks, once (the
+    latent is both keys and values); the slots a token sees come from its selected pools, looked up
+    in the kernel per block (``PoolSelection``: no ``[B, T, L]`` mask in HBM). Where the mesh splits
+    the latent over its slots it runs in ``shard_map`` and the partial sums are combined across the
+    axis. Returns [B, T, H, C] in q's dtype."""
     axis = None if spec is None else spec[1]
     local = functools.partial(kernel_latent_share, axis=axis, scale=scale, pool=pool, select_tail=select_tail,
                               interpret=interpret)
@@ -385,9 +384,9 @@ def kernel_latent_share(q_latent, c, pools, key_pos, query_pos, write_at, live, 
     block = kernel_block(share)
     first = 0 if axis is None else jax.lax.axis_index(axis) * share
     n_blocks = ragged.token_blocks(write_at, t, live, share, block, first)
-    seen = pool_visibility(pools, first_rows(key_pos, b), query_pos, pool, select_tail)          # [B, T, S]
+    selection = ragged.PoolSelection(pools, key_pos, query_pos, pool, select_tail)
     m, l, acc = ragged.ragged_attention(q_latent.reshape(b, 1, t * h, ch), c[:, None], None, None, None,  # noqa: E741
-                                        n_blocks, first, block=block, scale=scale, token_mask=seen,
+                                        n_blocks, first, block=block, scale=scale, selection=selection,
                                         interpret=interpret)
     out = ragged.finish(m, l, acc) if axis is None else ragged.combine(m, l, acc, axis)
     return out.reshape(b, t, h, ch).astype(q_latent.dtype)
