@@ -169,9 +169,14 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
         width = pool_window(selection.pool, block)
         n_pools = selection.pools.shape[2]
         lanes = -(-n_pools // LANES) * LANES + width                      # every window stays inside
-        flags = jnp.pad(selection.pools.astype(jnp.int32), ((0, 0), (0, 0), (0, lanes - n_pools)))
+        # whole sublane tiles of flags (Mosaic's lane gather takes [8k, 128]): a query block of fewer than
+        # 8 tokens, or of a count 8 does not divide, is the call's only one, padded with unused rows
+        flag_rows = tq if tq % 8 == 0 else -(-tq // 8) * 8
+        flags = jnp.pad(selection.pools.astype(jnp.int32),
+                        ((0, 0), (0, flag_rows * n_q - t), (0, lanes - n_pools)))
         starts = window_starts(selection.key_pos, b, selection.pool, block, n_k, width)
-        in_specs += [slots_spec, tokens_spec, pl.BlockSpec((None, tq, lanes), lambda r, i, j, nb, *_: (r, i, 0))]
+        in_specs += [slots_spec, tokens_spec,
+                     pl.BlockSpec((None, flag_rows, lanes), lambda r, i, j, nb, *_: (r, i, 0))]
         operands += [selection.key_pos.astype(jnp.int32)[:, None, :],
                      selection.query_pos.astype(jnp.int32)[:, :, None], flags]
     stat_spec = pl.BlockSpec((None, g, mq, LANES), lambda r, i, j, nb, *_: (r, 0, i, 0))
@@ -244,7 +249,7 @@ def _kernel(nb_ref, first_ref, start_ref, *refs, block: int, scale: float, n_q: 
             start = start_ref[row * n_k + j]
             window = flags_ref[:, pl.ds(pl.multiple_of(start, LANES), width)]          # [tq, width]
             lane = jnp.clip(jnp.where(kp >= 0, kp // pool - start, 0), 0, width - 1)
-            seen = _lane_gather(window, lane) != 0
+            seen = _lane_gather(window, lane)[:tq] != 0
             if select_tail:
                 seen = seen | (kp >= (qp + 1) - (qp + 1) % pool)
             seen = seen & inside & (kp >= 0) & (kp <= qp)
