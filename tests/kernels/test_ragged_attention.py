@@ -1,8 +1,9 @@
 """The length-aware attention kernel (``zoo.kernels.ragged_attention``): the Pallas body (interpret
 mode) equals its jnp reference; each row reads only its own filled blocks, whatever the other rows
-hold; Qwen's gated attention through it equals the whole-window reference, on one device and with
-the cache split over 8 chips by its slots; and the real TPU compiler (Mosaic) accepts it at
-Qwen3.8-27B's shapes on a v5e-8."""
+hold; Qwen's gated attention and GLM's latent attention through it equal the whole-window
+references, on one device and with the cache split over 8 chips by its slots (GLM's split case is
+``tests/models/glm53/test_filled_latent_attention.py``'s); the engine through it equals the jnp path;
+and the real TPU compiler (Mosaic) accepts it at Qwen3.8-27B's and GLM-5.3-Flash's shapes on a v5e-8."""
 
 from __future__ import annotations
 
@@ -284,25 +285,6 @@ def test_latent_attention_through_the_kernel(monkeypatch, length, filled, t):
         ours = attend(q, c, pools, key_pos, query_pos, write_at, C ** -0.5)
     assert [c.kernel for c in calls] == ["ragged_attention"]
     assert rel_err(ours, reference(q, c, pools, key_pos, query_pos, C ** -0.5)) <= 1e-6
-
-
-def test_latent_split_over_chips_through_the_kernel():
-    """The latent cache split over 8 chips by its slots (``vmap`` over a named axis): each chip's
-    kernel reads its share's filled blocks for each row, and every chip holds the whole-window result."""
-    from tests.models.glm53.test_filled_latent_attention import POOL, B, C, reference
-    from tests.models.glm53.test_filled_latent_attention import case as latent_case
-    from zoo.models.glm53.mla import kernel_latent_share
-    n, length = 8, 8 * 1100
-    q, c, pools, key_pos, query_pos, write_at = latent_case(length, [5000, 700], 3, seed=5)
-    share = length // n
-    c_shares = jnp.moveaxis(c.reshape(B, n, share, C), 1, 0)
-    key_shares = jnp.moveaxis(key_pos.reshape(B, n, share), 1, 0)
-    chip = jax.vmap(lambda c, kp: kernel_latent_share(q, c, pools, kp, query_pos, write_at, jnp.asarray([True, True]),
-                                                      axis="tp", scale=C ** -0.5, pool=POOL, select_tail=True,
-                                                      interpret=True), axis_name="tp")
-    out = jax.jit(chip)(c_shares, key_shares)
-    ref = reference(q, c, pools, key_pos, query_pos, C ** -0.5)
-    assert max(rel_err(out[k], ref) for k in range(n)) <= 1e-6
 
 
 @pytest.fixture(scope="module")

@@ -68,18 +68,21 @@ def test_row_independent_and_blocks_follow_fill():
     assert key_block(32768) == 512 and key_block(4160) == 512 and key_block(500) is None
 
 
-def test_split_over_chips_equals_whole_window():
+@pytest.mark.parametrize("form", ["jnp", "kernel"])
+def test_split_over_chips_equals_whole_window(form):
     """The latent cache split over 8 chips by its slots (``latent_len`` on "tp"), simulated with
-    ``vmap`` over a named axis: each chip reads the filled blocks of its share and the combined
-    result equals the whole window."""
-    from zoo.models.glm53.mla import split_latent_share
+    ``vmap`` over a named axis: each chip reads the filled blocks of its share (the jnp blocks, or
+    the Pallas kernel in interpret mode, each row its own blocks) and the combined result equals
+    the whole window on every chip."""
+    from zoo.models.glm53.mla import kernel_latent_share, split_latent_share
+    share_of_chip = split_latent_share if form == "jnp" else functools.partial(kernel_latent_share, interpret=True)
     n, length = 8, 8 * 1100
     q, c, pools, key_pos, query_pos, write_at = case(length, [5000, 700], 3, seed=5)
     share = length // n
     c_shares = jnp.moveaxis(c.reshape(B, n, share, C), 1, 0)
     key_shares = jnp.moveaxis(key_pos.reshape(B, n, share), 1, 0)
-    chip = jax.vmap(lambda c, kp: split_latent_share(q, c, pools, kp, query_pos, write_at, jnp.asarray([True, True]),
-                                                     axis="tp", scale=C ** -0.5, pool=POOL, select_tail=True),
+    chip = jax.vmap(lambda c, kp: share_of_chip(q, c, pools, kp, query_pos, write_at, jnp.asarray([True, True]),
+                                                axis="tp", scale=C ** -0.5, pool=POOL, select_tail=True),
                     axis_name="tp")
     out = jax.jit(chip)(c_shares, key_shares)
     ref = reference(q, c, pools, key_pos, query_pos, C ** -0.5)
