@@ -143,16 +143,18 @@ def with_layers(config: dict, layers: tuple[int, ...]) -> dict:
 
 
 def random_tiny_checkpoint(path: Path, name: str = "qwen38-tiny", template: str | None = CHATML, seed: int = 0,
-                           layers: tuple[int, ...] | None = None) -> Path:
+                           layers: tuple[int, ...] | None = None, overrides: dict | None = None) -> Path:
     """An embedded demo model with *random* weights: its config and tokenizer, weights drawn here (the
     MTP head too: drafts are almost never accepted) and ``template`` as its chat template (None: the
     shipped one). For tests that need a model with no learned preferences: sampling spreads over the
     vocabulary, a constraint is tested against outputs the model did not learn to write, an MTP head
     has everything to gain from fitting. The shipped demo models are trained (``tests/test_demo_models.py``).
-    ``layers``: the decoder layers kept (None: ``ONE_OF_EACH``, one of every kind the model has)."""
+    ``layers``: the decoder layers kept (None: ``ONE_OF_EACH``, one of every kind the model has);
+    ``overrides``: config.json entries replaced (e.g. a head width)."""
     from zoo.registry import embedded_path
     src, path = embedded_path(name), Path(path)
     config = with_layers(json.loads((src / "config.json").read_text()), layers or ONE_OF_EACH[name])
+    config.update(overrides or {})
     write_random_checkpoint(path, config, seed)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, path / f)

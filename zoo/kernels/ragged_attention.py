@@ -40,11 +40,12 @@ Scores and the softmax are float32; the values are mixed in v's dtype with float
 blocks it reads (padding) averages them, as ``zoo.models.shared.filled_blocks.online_softmax`` does;
 one that reads no block gets ``l = 0`` (:func:`finish` gives 0).
 
-Shapes the kernel takes (:func:`supported`): ``block`` a multiple of 128 and at most ``S`` (a key block
-is whole in the head dims, so any head dim is legal). Where ``block`` does not divide ``S`` (Qwen3.8-27B's
-33,024-slot window is 4,128 slots a chip), the last block runs past the share: its slots there are
-masked out and their values zeroed (whatever the buffer holds past the array; interpret mode fills it
-with NaN, which the tests rely on). The caller falls back to the jnp blocks otherwise.
+Shapes the kernel takes (:func:`supported`): ``block`` a multiple of 128 and at most ``S``, head dims
+multiples of 128 (Qwen3.8-27B's 256, GLM-5.3-Flash's 512-dim latent). Where ``block`` does not divide
+``S`` (Qwen3.8-27B's 33,024-slot window is 4,128 slots a chip), the last block runs past the share:
+its slots there are masked out and their values zeroed (whatever the buffer holds past the array;
+interpret mode fills it with NaN, which the tests rely on). The caller falls back to the jnp blocks
+otherwise.
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ Q_ROWS = 1024            # query rows per grid step, at most (a prefill chunk's 
 
 
 def supported(share: int, block: int, dk: int, dv: int) -> bool:
-    """Whether the kernel takes a share of ``share`` slots in blocks of ``block`` with head dims ``dk, dv``."""
-    return block % LANES == 0 and share >= block and dk > 0 and dv > 0
+    """Whether the kernel takes a share of ``share`` slots in blocks of ``block`` with head dims ``dk, dv``:
+    the block a multiple of 128 lanes within the share, the head dims whole lanes (a narrower head is
+    padded to 128 lanes as a kernel operand, and XLA then relays the whole cache out for every call:
+    measured on qwen38-tiny's 32-wide heads at 32M slots a row, 1 row fit a v5e-8 instead of 2)."""
+    return block % LANES == 0 and share >= block and dk % LANES == 0 and dv % LANES == 0
 
 
 def token_blocks(write_at: jax.Array, t: int, live: jax.Array, share: int, block: int, first) -> jax.Array:
@@ -117,12 +121,13 @@ class PoolSelection(NamedTuple):
 
 def pool_window(pool: int, block: int) -> int:
     """Lanes of a token's pool flags a key block can need: the pools its positions span (a row's
-    positions rise by one per slot, with empty slots between: at most ``block`` positions) from a
-    start aligned down to 128 lanes."""
-    return -(-((block - 1) // pool + 1 + LANES - 1) // LANES) * LANES
+    positions rise by one per slot, with empty slots between: at most ``block`` consecutive
+    positions, so at most ``(block - 1) // pool + 2`` pools) after a start aligned down to 128 lanes
+    (up to 127 lanes before the first)."""
+    return -(-((block - 1) // pool + 2 + LANES - 1) // LANES) * LANES
 
 
-def window_starts(key_pos: jax.Array, rows: int, pool: int, block: int, n_k: int, width: int) -> jax.Array:
+def window_starts(key_pos: jax.Array, rows: int, pool: int, block: int, n_k: int) -> jax.Array:
     """int32 [rows * n_k]: for each row and key block, the first pool-flag lane its window reads (the
     block's smallest pool, aligned down to 128; 0 for a block without a token)."""
     kp = key_pos[:rows]
@@ -174,7 +179,7 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
         flag_rows = tq if tq % 8 == 0 else -(-tq // 8) * 8
         flags = jnp.pad(selection.pools.astype(jnp.int32),
                         ((0, 0), (0, flag_rows * n_q - t), (0, lanes - n_pools)))
-        starts = window_starts(selection.key_pos, b, selection.pool, block, n_k, width)
+        starts = window_starts(selection.key_pos, b, selection.pool, block, n_k)
         in_specs += [slots_spec, tokens_spec,
                      pl.BlockSpec((None, flag_rows, lanes), lambda r, i, j, nb, *_: (r, i, 0))]
         operands += [selection.key_pos.astype(jnp.int32)[:, None, :],

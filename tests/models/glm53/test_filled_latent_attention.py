@@ -18,7 +18,7 @@ from zoo.models.shared.filled_blocks import blocks_visited, key_block
 B, T_HEADS, C, POOL = 2, 3, 32, 4
 
 
-def case(length: int, filled: list[int], t: int, seed: int = 0):
+def case(length: int, filled: list[int], t: int, seed: int = 0, width: int = C):
     """Row b holds ``filled[b]`` tokens (slot s holds position s), then a call of ``t``; each query
     selects a random subset of the pools, its own among them (as the indexer's top-k; ``pool_visibility``
     keeps the causal slots of them and of the query's own incomplete pool)."""
@@ -28,8 +28,8 @@ def case(length: int, filled: list[int], t: int, seed: int = 0):
     key_pos = np.where(np.arange(length)[None, :] < (write_at + t)[:, None], np.arange(length)[None, :], -1)
     pools = rng.random((B, t, length // POOL)) < 0.6
     pools[np.arange(B)[:, None], np.arange(t)[None, :], query_pos // POOL] = True   # each query sees its own slot
-    q = jnp.asarray(rng.standard_normal((B, t, T_HEADS, C)), jnp.float32)
-    c = jnp.asarray(rng.standard_normal((B, length, C)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, t, T_HEADS, width)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((B, length, width)), jnp.float32)
     ints = lambda a: jnp.asarray(a, jnp.int32)                   # noqa: E731
     return q, c, jnp.asarray(pools), ints(key_pos), ints(query_pos), ints(write_at)
 
@@ -76,10 +76,11 @@ def test_split_over_chips_equals_whole_window(form):
     the whole window on every chip."""
     from zoo.models.glm53.mla import kernel_latent_share, split_latent_share
     share_of_chip = split_latent_share if form == "jnp" else functools.partial(kernel_latent_share, interpret=True)
+    width = C if form == "jnp" else 128                        # the kernel takes whole-lane latents
     n, length = 8, 8 * 1100
-    q, c, pools, key_pos, query_pos, write_at = case(length, [5000, 700], 3, seed=5)
+    q, c, pools, key_pos, query_pos, write_at = case(length, [5000, 700], 3, seed=5, width=width)
     share = length // n
-    c_shares = jnp.moveaxis(c.reshape(B, n, share, C), 1, 0)
+    c_shares = jnp.moveaxis(c.reshape(B, n, share, width), 1, 0)
     key_shares = jnp.moveaxis(key_pos.reshape(B, n, share), 1, 0)
     chip = jax.vmap(lambda c, kp: share_of_chip(q, c, pools, kp, query_pos, write_at, jnp.asarray([True, True]),
                                                 axis="tp", scale=C ** -0.5, pool=POOL, select_tail=True),

@@ -23,7 +23,7 @@ from zoo.models.shared.filled_blocks import block_at, blocks_visited, key_block
 B, H, G, D = 2, 4, 2, 16
 
 
-def case(length: int, filled: list[int], t: int, seed: int = 0, live=(True, True)):
+def case(length: int, filled: list[int], t: int, seed: int = 0, live=(True, True), d: int = D):
     """Row b already holding ``filled[b]`` tokens in its first slots (each row its own write index,
     as the engine's rows), then a call of ``t`` tokens (all padding in a row that is not ``live``)."""
     rng = np.random.default_rng(seed)
@@ -31,9 +31,9 @@ def case(length: int, filled: list[int], t: int, seed: int = 0, live=(True, True
     meta = SlotMeta(index=index, pos=index, valid=jnp.arange(length)[None, :] < index[:, None])
     fields, _, _ = advance_slots(meta, jnp.broadcast_to(jnp.asarray(live)[:, None], (B, t)))
     slots = Slots(cos=jnp.zeros((B, t, 2)), sin=jnp.zeros((B, t, 2)), **fields)
-    q = jnp.asarray(rng.standard_normal((B, t, H, D)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((B, G, length, D)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((B, G, length, D)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, t, H, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, G, length, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, G, length, d)), jnp.float32)
     return q, k, v, slots
 
 

@@ -296,7 +296,7 @@ def filled_latent_attention(q_latent: jax.Array, c: jax.Array, pools: jax.Array,
     spec = current_spec(LatentCache.AXES["latent"], c.shape)
     visibility = dict(pool=pool, select_tail=select_tail)
     kernel = attention_kernel()
-    if kernel is not None and _kernel_takes(length, spec):
+    if kernel is not None and _kernel_takes(length, ch, spec):
         live = jnp.ones(write_at.shape, bool) if live is None else live
         return kernel_latent_attention(q_latent, c, pools, key_pos, query_pos, write_at, live, scale, spec,
                                        **visibility, **kernel)
@@ -346,13 +346,14 @@ def split_latent_share(q_latent, c, pools, key_pos, query_pos, write_at, live, *
                                      pool=pool, select_tail=select_tail)
 
 
-def _kernel_takes(length: int, spec: P | None) -> bool:
+def _kernel_takes(length: int, width: int, spec: P | None) -> bool:
     """Whether the Pallas kernel computes the call: a window of at least two blocks of the narrowest
-    width (else the whole-window product), split or not, in blocks the kernel takes."""
+    width (else the whole-window product), split or not, in blocks the kernel takes, a latent of
+    ``width`` whole lanes."""
     share = share_of(length, None if spec is None else spec[1])
     if spec is None and key_block(share) is None:
         return False
-    return ragged.supported(share, kernel_block(share), 1, 1)
+    return ragged.supported(share, kernel_block(share), width, width)
 
 
 def kernel_latent_attention(q_latent, c, pools, key_pos, query_pos, write_at, live, scale: float, spec: P | None,
