@@ -19,6 +19,8 @@ per-token) lengths that skips empty key blocks (flash-decoding style), and its j
     token_blocks(write_at [B], t, live [B], share, block, first) -> n_blocks [B, T]
     finish(m, l, acc) -> acc / l      (0 for a query row that read nothing)
     combine(m, l, acc, axis) -> the same over the shares of a mesh axis
+    share_attention(q, k, v, key_valid, query_slot, write_at [B], live [B], *, axis, block, scale, ...)
+        -> one chip's share of a call, finished (block counts, kernel, finish or combine)
     reference_attention(...)          the same contract in jnp (the blocks each token reads, masked)
 
 Each row, and each block of its tokens, reads its own blocks, not the batch's longest. The grid is
@@ -166,7 +168,7 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
         operands.append(v)
     slots_spec = pl.BlockSpec((None, 1, block), lambda r, i, j, nb, *_: (r, 0, last(r, i, j, nb)))
     tokens_spec = pl.BlockSpec((None, tq, 1), lambda r, i, j, nb, *_: (r, i, 0))
-    width, starts = 0, jnp.zeros((1,), jnp.int32)
+    width, starts, flag_bytes = 0, jnp.zeros((1,), jnp.int32), 0
     if selection is None:
         in_specs += [slots_spec, tokens_spec]
         operands += [key_valid.astype(jnp.int32)[:, None, :], query_slot.astype(jnp.int32)[:, :, None]]
@@ -179,6 +181,7 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
         flag_rows = tq if tq % 8 == 0 else -(-tq // 8) * 8
         flags = jnp.pad(selection.pools.astype(jnp.int32),
                         ((0, 0), (0, flag_rows * n_q - t), (0, lanes - n_pools)))
+        flag_bytes = flag_rows * lanes * 4
         starts = window_starts(selection.key_pos, b, selection.pool, block, n_k)
         in_specs += [slots_spec, tokens_spec,
                      pl.BlockSpec((None, flag_rows, lanes), lambda r, i, j, nb, *_: (r, i, 0))]
@@ -193,7 +196,7 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
     step_bytes = g * block * (dk + (0 if v is None else dv)) * k.dtype.itemsize
     record("ragged_attention", b * n_q * n_k, step_bytes, b * n_q * n_k * step_bytes, share, block)
     state = g * mq * (2 * LANES + dv) * 4
-    mask_bytes = block * 4 + tq * 4 + (0 if selection is None else tq * operands[-1].shape[2] * 4)
+    mask_bytes = block * 4 + tq * 4 + flag_bytes
     vmem = 2 * (g * mq * dk * q.dtype.itemsize + step_bytes + mask_bytes + state) + state + 6 * mq * block * 4
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                   vmem_limit_bytes=None if vmem <= 12 << 20 else min(100 << 20, vmem * 3 // 2))
@@ -286,6 +289,21 @@ def _kernel(nb_ref, first_ref, start_ref, *refs, block: int, scale: float, n_q: 
         m_ref[...] = m_sc[...]
         l_ref[...] = l_sc[...]
         acc_ref[...] = acc_sc[...]
+
+
+def share_attention(q, k, v, key_valid, query_slot, write_at, live, *, axis, block: int, scale: float,
+                    selection: PoolSelection | None = None, interpret: bool = False) -> jax.Array:
+    """One chip's share of a call, finished: each token's block counts from ``write_at [B]`` and
+    ``live [B]`` (:func:`token_blocks`, the share starting at ``axis_index(axis) * S``; at 0 where
+    ``axis`` is None: the whole window), the kernel, then :func:`finish` or, across ``axis``,
+    :func:`combine`. Shapes as :func:`ragged_attention`; returns float32 ``[B, G, M, Dv]``."""
+    share = k.shape[2]
+    t = (query_slot if selection is None else selection.query_pos).shape[1]
+    first = 0 if axis is None else jax.lax.axis_index(axis) * share
+    n_blocks = token_blocks(write_at, t, live, share, block, first)
+    m, l, acc = ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, block=block,  # noqa: E741
+                                 scale=scale, selection=selection, interpret=interpret)
+    return finish(m, l, acc) if axis is None else combine(m, l, acc, axis)
 
 
 def finish(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:        # noqa: E741

@@ -45,11 +45,11 @@ from zoo.models.shared.filled_blocks import (
     blocks_visited,
     first_rows,
     kernel_block,
+    kernel_takes,
     key_block,
     local_blocks,
     online_softmax,
     read_block,
-    share_of,
     split_online_softmax,
 )
 from zoo.models.shared.kv_slots import write_slots
@@ -295,13 +295,12 @@ def filled_latent_attention(q_latent: jax.Array, c: jax.Array, pools: jax.Array,
     length = c.shape[1]
     spec = current_spec(LatentCache.AXES["latent"], c.shape)
     visibility = dict(pool=pool, select_tail=select_tail)
+    live = jnp.ones(write_at.shape, bool) if live is None else live
     kernel = attention_kernel()
-    if kernel is not None and _kernel_takes(length, ch, spec):
-        live = jnp.ones(write_at.shape, bool) if live is None else live
+    if kernel is not None and kernel_takes(length, spec, 1, ch, ch):
         return kernel_latent_attention(q_latent, c, pools, key_pos, query_pos, write_at, live, scale, spec,
                                        **visibility, **kernel)
     if spec is not None and spec[1] is not None:
-        live = jnp.ones(write_at.shape, bool) if live is None else live
         local = functools.partial(split_latent_share, axis=spec[1], scale=scale, **visibility)
         rows, whole = P(spec[0]), P(spec[0], None, None, None)
         return jax.shard_map(local, in_specs=(whole, spec, P(spec[0], None, None), P(spec[0], spec[1]),
@@ -346,16 +345,6 @@ def split_latent_share(q_latent, c, pools, key_pos, query_pos, write_at, live, *
                                      pool=pool, select_tail=select_tail)
 
 
-def _kernel_takes(length: int, width: int, spec: P | None) -> bool:
-    """Whether the Pallas kernel computes the call: a window of at least two blocks of the narrowest
-    width (else the whole-window product), split or not, in blocks the kernel takes, a latent of
-    ``width`` whole lanes."""
-    share = share_of(length, None if spec is None else spec[1])
-    if spec is None and key_block(share) is None:
-        return False
-    return ragged.supported(share, kernel_block(share), width, width)
-
-
 def kernel_latent_attention(q_latent, c, pools, key_pos, query_pos, write_at, live, scale: float, spec: P | None,
                             *, pool: int, select_tail: bool, interpret: bool = False) -> jax.Array:
     """:func:`filled_latent_attention` by the Pallas kernel (``zoo.kernels.ragged_attention``): each
@@ -381,15 +370,10 @@ def kernel_latent_share(q_latent, c, pools, key_pos, query_pos, write_at, live, 
     """One chip's part of :func:`kernel_latent_attention` (the whole call where ``axis`` is None):
     ``c [B, S, C]`` and ``key_pos [B, S]`` its share of the slots; returns ``[B, T, H, C]``."""
     b, t, h, ch = q_latent.shape
-    share = c.shape[1]
-    block = kernel_block(share)
-    first = 0 if axis is None else jax.lax.axis_index(axis) * share
-    n_blocks = ragged.token_blocks(write_at, t, live, share, block, first)
     selection = ragged.PoolSelection(pools, key_pos, query_pos, pool, select_tail)
-    m, l, acc = ragged.ragged_attention(q_latent.reshape(b, 1, t * h, ch), c[:, None], None, None, None,  # noqa: E741
-                                        n_blocks, first, block=block, scale=scale, selection=selection,
-                                        interpret=interpret)
-    out = ragged.finish(m, l, acc) if axis is None else ragged.combine(m, l, acc, axis)
+    out = ragged.share_attention(q_latent.reshape(b, 1, t * h, ch), c[:, None], None, None, None, write_at, live,
+                                 axis=axis, block=kernel_block(c.shape[1]), scale=scale, selection=selection,
+                                 interpret=interpret)
     return out.reshape(b, t, h, ch).astype(q_latent.dtype)
 
 

@@ -36,11 +36,11 @@ from zoo.models.shared.filled_blocks import (
     blocks_visited,
     first_rows,
     kernel_block,
+    kernel_takes,
     key_block,
     local_blocks,
     online_softmax,
     read_block,
-    share_of,
     split_online_softmax,
 )
 from zoo.models.shared.kv_slots import write_slots
@@ -154,7 +154,7 @@ def filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
     partial results are combined across chips (:func:`split_filled_attention`)."""
     spec = current_spec(KVCache.AXES["k"], k.shape)
     kernel = attention_kernel()
-    if kernel is not None and _kernel_takes(k, v, spec):
+    if kernel is not None and kernel_takes(k.shape[2], spec, 2, k.shape[-1], v.shape[-1]):
         return kernel_attention(q, k, v, slots, scale, spec, **kernel)
     if spec is not None and spec[2] is not None:
         return split_filled_attention(q, k, v, slots, scale, spec)
@@ -219,15 +219,6 @@ def split_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axi
     return _blocked_attention(q, k, v, key_valid, query_slot, scale, n_blocks, block, first, softmax)
 
 
-def _kernel_takes(k: jax.Array, v: jax.Array, spec: P | None) -> bool:
-    """Whether the Pallas kernel computes this call: a window of at least two blocks of the
-    narrowest width (else the jnp whole-window product), blocks the kernel takes."""
-    share = share_of(k.shape[2], None if spec is None else spec[2])
-    if spec is None and key_block(share) is None:
-        return False
-    return ragged.supported(share, kernel_block(share), k.shape[-1], v.shape[-1])
-
-
 def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float, spec: P | None,
                      *, interpret: bool = False) -> jax.Array:
     """:func:`filled_attention` by the Pallas kernel (``zoo.kernels.ragged_attention``): each row
@@ -250,15 +241,11 @@ def kernel_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, ax
     """One chip's part of :func:`kernel_attention` (the whole call where ``axis`` is None): ``k, v
     [B, G, S, D]`` and ``key_valid [B, S]`` its share of the slots; returns ``[B, T, H, Dv]``."""
     b, t, h, dk = q.shape
-    g, share, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g, dv = k.shape[1], v.shape[-1]
     r = h // g
-    block = kernel_block(share)
-    first = 0 if axis is None else jax.lax.axis_index(axis) * share
-    n_blocks = ragged.token_blocks(write_at, t, live, share, block, first)
     qg = jnp.moveaxis(q.reshape(b, t, g, r, dk), 1, 2).reshape(b, g, t * r, dk)    # token-major: row t * R + r
-    m, l, acc = ragged.ragged_attention(qg, k, v, key_valid, query_slot, n_blocks, first, block=block,  # noqa: E741
-                                        scale=scale, interpret=interpret)
-    out = ragged.finish(m, l, acc) if axis is None else ragged.combine(m, l, acc, axis)
+    out = ragged.share_attention(qg, k, v, key_valid, query_slot, write_at, live, axis=axis,
+                                 block=kernel_block(k.shape[2]), scale=scale, interpret=interpret)
     return jnp.moveaxis(out.reshape(b, g, t, r, dv), 2, 1).reshape(b, t, h, dv).astype(q.dtype)
 
 

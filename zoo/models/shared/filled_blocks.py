@@ -6,6 +6,7 @@ absorbed MLA.
         two blocks of the narrowest)
     kernel_block(S) -> the Pallas kernel's block for a share of S slots
     share_of(L, axis) -> the slots one chip holds where the mesh splits them over ``axis``
+    kernel_takes(L, spec, slot_dim, dk, dv) -> whether the Pallas kernel computes a call
     block_at(start, block, L) -> (at, own [block])  where a block is read (a last block that would
         run past the window overlaps the one before it; ``own`` masks the slots read twice)
     blocks_visited(write_at [B], T, L, live [B]) -> int32 scalar, blocks up to max(write_at) + T over
@@ -37,6 +38,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from zoo.kernels.ragged_attention import supported as ragged_supported
+
 F32_MIN = jnp.finfo(jnp.float32).min
 
 
@@ -54,6 +57,17 @@ def kernel_block(share: int) -> int:
     share of ``share`` slots: :func:`key_block`'s width (the kernel's last block may run past the
     share), or the share whole."""
     return key_block(share) or share
+
+
+def kernel_takes(length: int, spec, slot_dim: int, dk: int, dv: int) -> bool:
+    """Whether the Pallas attention kernel computes a call over a window of ``length`` slots with
+    head dims ``dk, dv``, the cache laid out by ``spec`` (its slots on ``spec[slot_dim]``; None: no
+    mesh): on one device a window of at least two blocks of the narrowest width (else the
+    whole-window product), and blocks and heads the kernel takes (``ragged_attention.supported``)."""
+    share = share_of(length, None if spec is None else spec[slot_dim])
+    if spec is None and key_block(share) is None:
+        return False
+    return ragged_supported(share, kernel_block(share), dk, dv)
 
 
 def share_of(length: int, axis) -> int:
