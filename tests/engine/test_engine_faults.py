@@ -5,7 +5,9 @@ decodes exactly what it decodes on its own; a step program that raises fails the
 which is rebuilt, and the requests after it are served as if nothing happened.
 
 The faults are injected around the engine's real programs (the wrappers call them), so every
-code path is the one a real checkpoint takes."""
+code path is the one a real checkpoint takes. The model is the demo model's config with one decoder layer
+of each kind and random weights (``random_tiny_checkpoint``): the isolation is the engine's, whatever
+the weights, and the 4-row programs are those of ``test_constraint``'s and ``test_spec_policy``'s model."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import zoo
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.generator import Generator
 
 PROMPTS = {"a": [5, 17, 200, 33, 8], "b": [300, 2, 77, 41], "c": [11, 22, 33, 44, 55, 66]}
@@ -21,8 +24,8 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def model():
-    return zoo.load("qwen38-tiny", dtype="float32")
+def model(tmp_path_factory):
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
 
 
 @pytest.fixture(scope="module")

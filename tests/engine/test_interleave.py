@@ -3,6 +3,9 @@ decodes is prefilled one chunk per step, and the stream gets its tokens at every
 
 - Exactness: every request's greedy tokens, logprobs and prompt logprobs equal the same request run
   alone, for both tiny models, plain and MTP, with and without prefix-cache hits, with choices.
+  The models are the demo models' configs with one decoder layer of each kind and random weights
+  (``random_tiny_checkpoint``: the interleaving is the engine's, whatever the weights, and a shallower
+  model is less to compile), and for MTP their bigram variants, whose drafts are mostly accepted.
 - Fairness, counted (not timed): while the long prompt fills, each step runs at most one chunk of
   prefill pieces and the running stream gets a token at that step; on a given timing table
   (``zoo.engine.prefill_pace``) the pieces narrow to what the time budget allows.
@@ -14,7 +17,8 @@ from __future__ import annotations
 import pytest
 
 import zoo
-from tests.support.helpers import assert_same_generation
+from tests.support.helpers import assert_same_generation, bigram_variant
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.generator import Generator
 from zoo.engine.prefix_cache import PrefixCache
 
@@ -25,8 +29,12 @@ LONG = [(7 * i + 3) % 230 + 10 for i in range(300)]    # 300 tokens: 4 chunks an
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {name: zoo.load(name, dtype="float32") for name in MODELS}
+def models(tmp_path_factory):
+    out = {}
+    for name in MODELS:
+        out[name] = zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name), dtype="float32")
+        out[name + "/bigram"] = bigram_variant(out[name])
+    return out
 
 
 def engine(model, k: int, prefix: bool = False, ratio: float | None = None) -> Generator:
@@ -66,7 +74,7 @@ def run_while_streaming(gen: Generator, stream_opts: dict, long_prompt, long_opt
 
 
 # both models and both decoders, not every pair (the engine's interleaving does not branch on the model)
-@pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("qwen38-tiny", 2), ("glm53-tiny", 2)])
+@pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("qwen38-tiny/bigram", 2), ("glm53-tiny/bigram", 2)])
 def test_a_long_prompt_is_prefilled_a_chunk_per_step_and_every_output_is_exact(models, which, k):
     model = models[which]
     stream_opts = dict(max_new_tokens=24, logprobs=2)
@@ -77,6 +85,8 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_and_every_output_is_exact(m
     assert len(filling) >= -(-len(LONG) // CHUNK) - 1        # the prompt took several steps, not one
     assert all(0 < spent <= CHUNK for spent, _ in filling)    # one chunk at most per step
     assert all(got >= 1 for _, got in filling)                 # the stream got tokens at each of them
+    if k:                   # the bigram variant's drafts were accepted: MTP rows moved on by several tokens
+        assert stream.result().stats["accepted"] > 0 and long.result().stats["accepted"] > 0
 
 
 def test_a_time_budget_narrows_the_pieces_and_every_output_is_exact(models):
@@ -85,8 +95,8 @@ def test_a_time_budget_narrows_the_pieces_and_every_output_is_exact(models):
     output (MTP rows included) equals the request run alone, where the pieces are the chunk's: the
     same tokens, logprobs within 1e-4 (16-token pieces sum in another order than 64-token ones:
     measured 2.6e-5 at most on the prompt's logprobs, 3e-6 on the generated ones)."""
-    model = models["qwen38-tiny"]
-    stream_opts = dict(max_new_tokens=30, logprobs=2)
+    model = models["qwen38-tiny/bigram"]
+    stream_opts = dict(max_new_tokens=80, logprobs=2)       # it outlasts the prefill at 3 tokens a step
     long_opts = dict(max_new_tokens=8, logprobs=1, prompt_logprobs=1)
     gen = engine(model, 2, ratio=3.0)
     stream, long, filling = run_while_streaming(gen, stream_opts, LONG, long_opts,
@@ -97,7 +107,7 @@ def test_a_time_budget_narrows_the_pieces_and_every_output_is_exact(models):
     assert_same_generation(long.result(), alone(model, 2, LONG, **long_opts), tol=1e-4)
 
 
-@pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("glm53-tiny", 2)])
+@pytest.mark.parametrize("which,k", [("qwen38-tiny", 0), ("glm53-tiny/bigram", 2)])
 def test_prefix_hits_and_choices_while_streaming_are_exact(models, which, k):
     model = models[which]
     gen = engine(model, k, prefix=True)

@@ -1,8 +1,10 @@
 """Log-probabilities from the engine (``Generator``), against a numpy log-softmax of the full
-forward (``Model.logits``, float32) on the embedded tiny model:
+forward (``Model.logits``, float32) on the demo model's config with one decoder layer of each kind
+and random weights (``random_tiny_checkpoint``: the values are the engine's, whatever the weights, and
+a shallower model is less to compile):
 
 - generated tokens' logprobs and top alternatives, plain decoding;
-- with MTP speculation (as shipped: mostly rejected drafts; bigram variant: long accepted runs),
+- with MTP speculation (random MTP head: mostly rejected drafts; bigram variant: long accepted runs),
   the same values as plain decoding (the verify logits are the target model's);
 - the prompt's logprobs from the prefill, over several prefill chunks, and a request that only
   asks for them (``max_new_tokens=0``);
@@ -17,6 +19,7 @@ import pytest
 
 import zoo
 from tests.support.helpers import bigram_variant
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.generator import Generator
 from zoo.engine.logprobs import MAX_TOP, maybe_token_logprobs, token_logprobs
 
@@ -27,8 +30,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def model():
-    return zoo.load("qwen38-tiny", dtype="float32")
+def model(tmp_path_factory):
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,10 @@ equal, every generated token's logprob and top-3 alternatives equal to 1e-5 (flo
 tiny models (Qwen3.8: DeltaNet conv + recurrent state, gated attention KV; GLM-5.3: KDA states, MLA
 latents, the indexer's pooled keys and tail pool), plain and with MTP speculative decoding (the
 "bigram" variants accept most drafts, so snapshots follow multi-token acceptance). Blocks of 16
-tokens and prefill pieces of 32 make every prompt span several blocks, pieces and pools.
+tokens and prefill pieces of 32 make every prompt span several blocks, pieces and pools. The models
+are the demo models' configs with one decoder layer of each kind and random weights
+(``random_tiny_checkpoint``): what is cached and restored is every kind of layer's state, whatever the
+weights, and a shallower model is less to compile.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 
 import zoo
 from tests.support.helpers import assert_same_generation, bigram_variant
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.generator import Generator
 from zoo.engine.prefix_cache import PrefixCache
 
@@ -25,10 +29,10 @@ GB = 2**30
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(tmp_path_factory):
     out = {}
     for name in MODELS:
-        out[name] = zoo.load(name, dtype="float32")
+        out[name] = zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name), dtype="float32")
         out[name + "/bigram"] = bigram_variant(out[name])
     return out
 
@@ -237,7 +241,7 @@ def test_the_planner_sizes_entries_as_the_cache_stores_them(models, which):
     from zoo.tools.prefix_plan import prefix_cache_plan
     gen = cached(models[which], 2)
     gen.generate([words(95, 70)], max_new_tokens=4)
-    plan = prefix_cache_plan(which, devices=1, block=BLOCK, dtype="float32", mtp=True)
+    plan = prefix_cache_plan(which, devices=1, block=BLOCK, dtype="float32", mtp=True, config=models[which].config)
     blocks = {e.nbytes for e in gen.prefix._blocks.values()}
     whole = {s.entry.nbytes for s in gen.prefix._snaps.values() if s.partial == 0}
     windowed = {s.entry.nbytes for s in gen.prefix._snaps.values() if s.partial}

@@ -2,7 +2,9 @@
 the tiny model, talking through an in-memory key-value store with the calls of ``jax.distributed``'s
 (the real multi-process runs are ``tests/sharding/test_multihost*.py``). A request's options reach
 the follower equal to the leader's, every field of them, and both engines stop at a stop string on
-the same token, with the same text, seeds and finish."""
+the same token, with the same text, seeds and finish. The model is the demo model's config with one decoder
+layer of each kind and random weights (``random_tiny_checkpoint``): the replay is the engine's, whatever
+the weights, and the 4-row programs are those of ``test_constraint``'s model."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import threading
 import pytest
 
 import zoo
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.generator import Generator
 from zoo.engine.options import RequestOptions
 from zoo.engine.replica import Channel, Follower, Leader, request_args
@@ -42,8 +45,8 @@ class MemoryStore:
 
 
 @pytest.fixture(scope="module")
-def model():
-    return zoo.load("qwen38-tiny", dtype="float32")
+def model(tmp_path_factory):
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
 
 
 @contextlib.contextmanager

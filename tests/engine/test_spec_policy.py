@@ -7,6 +7,11 @@
   is plain decoding's, greedy and seeded sampled rows alike, for both tiny models and for a
   json_schema-constrained row.
 - ``auto`` picks the option with the most tokens per second from the costs it timed.
+
+The engine runs are on the demo models' configs with one decoder layer of each kind and random weights
+(``random_tiny_checkpoint``), as bigram variants (``bigram_variant``: their MTP heads' drafts are mostly
+accepted, and their greedy answers repeat spans that prompt lookup finds): the policy and the outputs
+are the engine's, whatever the weights, and a shallower model is less to compile.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import numpy as np
 import pytest
 
 import zoo
+from tests.support.helpers import bigram_variant
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
 from zoo.engine.spec_policy import MIN_SAMPLES, Acceptance, PromptLookup, SpecPolicy, parse_key, reach, table_key
@@ -154,8 +161,10 @@ def test_the_narrow_programs_steps_are_timed_apart():
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {name: zoo.load(name, dtype="float32") for name in ("qwen38-tiny", "glm53-tiny")}
+def models(tmp_path_factory):
+    return {name: bigram_variant(zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name),
+                                          dtype="float32"))
+            for name in ("qwen38-tiny", "glm53-tiny")}
 
 
 def second_turn(model, question: str = "What is 12+35?") -> list[int]:

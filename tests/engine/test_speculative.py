@@ -1,10 +1,12 @@
 """MTP speculative decoding and continuous batching.
 
-- Greedy output with MTP (k = 1, 2, 3) is token-for-token plain greedy decoding, for both embedded
-  tiny models (Qwen3.8: DeltaNet state; GLM-5.3: KDA state and the indexer's tail pool), as shipped
-  (their trained MTP heads, on random-token prompts unlike anything they were trained on) and as
-  "bigram" variants whose MTP agrees with the model (high acceptance: multi-token
-  accepts and every rollback depth, across pool boundaries).
+- Greedy output with MTP (k = 1, 2, 3) is token-for-token plain greedy decoding, for both tiny
+  models (Qwen3.8: DeltaNet state; GLM-5.3: KDA state and the indexer's tail pool), with random
+  weights (their MTP heads' drafts are almost all rejected) and as "bigram" variants whose MTP agrees
+  with the model (high acceptance: multi-token accepts and every rollback depth, across pool
+  boundaries). The models are the demo models' configs with one decoder layer of each kind
+  (``random_tiny_checkpoint``): the decoding is the engine's, whatever the weights, and a shallower
+  model is less to compile. The shipped demo models' trained MTP heads draft in ``test_spec_policy.py``.
 - Streams joining and leaving a running batch get exactly the tokens they get alone.
 - The rejection sampler's output distribution equals the target's (total variation, many draws).
 """
@@ -21,6 +23,7 @@ import pytest
 
 import zoo
 from tests.support.helpers import bigram_variant
+from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
 from zoo.engine.speculative import accept
@@ -34,12 +37,12 @@ MODELS = ("qwen38-tiny", "glm53-tiny")
 
 
 @pytest.fixture(scope="module")
-def models():
-    """Each tiny model as shipped (its trained MTP head) and its bigram
-    variant (MTP agrees with the model: multi-token accepts, every rollback depth)."""
+def models(tmp_path_factory):
+    """Each tiny model with random weights (one decoder layer of each kind) and its bigram variant
+    (MTP agrees with the model: multi-token accepts, every rollback depth)."""
     out = {}
     for name in MODELS:
-        out[name] = zoo.load(name, dtype="float32")
+        out[name] = zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name), dtype="float32")
         out[name + "/bigram"] = bigram_variant(out[name])
     return out
 
@@ -50,7 +53,7 @@ def plain_runs(models):
     return {name: [m.generate([p], max_new_tokens=N_NEW)[0] for p in PROMPTS] for name, m in models.items()}
 
 
-# k = 2 as shipped; the bigram variants at the shallowest and the deepest draft (every rollback depth)
+# k = 2 with random drafts; the bigram variants at the shallowest and the deepest draft (every rollback depth)
 CASES = [(m, 2) for m in MODELS] + [(m + "/bigram", k) for m in MODELS for k in (1, 3)]
 
 
