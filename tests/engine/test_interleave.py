@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-import zoo
-from tests.support.helpers import assert_same_generation, bigram_variant
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import assert_same_generation, random_models_and_bigrams
 from zoo.engine.generator import Generator
 from zoo.engine.prefix_cache import PrefixCache
 
@@ -30,11 +28,7 @@ LONG = [(7 * i + 3) % 230 + 10 for i in range(300)]    # 300 tokens: 4 chunks an
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for name in MODELS:
-        out[name] = zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name), dtype="float32")
-        out[name + "/bigram"] = bigram_variant(out[name])
-    return out
+    return random_models_and_bigrams(tmp_path_factory, MODELS)
 
 
 def engine(model, k: int, prefix: bool = False, ratio: float | None = None) -> Generator:

@@ -21,9 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import zoo
-from tests.support.helpers import bigram_variant
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import random_models_and_bigrams
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
 from zoo.engine.speculative import accept
@@ -40,11 +38,7 @@ MODELS = ("qwen38-tiny", "glm53-tiny")
 def models(tmp_path_factory):
     """Each tiny model with random weights (one decoder layer of each kind) and its bigram variant
     (MTP agrees with the model: multi-token accepts, every rollback depth)."""
-    out = {}
-    for name in MODELS:
-        out[name] = zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name), dtype="float32")
-        out[name + "/bigram"] = bigram_variant(out[name])
-    return out
+    return random_models_and_bigrams(tmp_path_factory, MODELS)
 
 
 @pytest.fixture(scope="module")

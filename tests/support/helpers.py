@@ -45,6 +45,20 @@ def bigram_variant(model):
     return Model(module, model.config, model.tokenizer, dict(model.load_info))
 
 
+def random_models_and_bigrams(tmp_path_factory, names) -> dict:
+    """For each embedded demo model in ``names``: its config with one decoder layer of each kind and
+    random weights (``random_tiny_checkpoint``), float32, under its name, and its ``bigram_variant``
+    under ``name + "/bigram"`` (the same programs: only the weights differ)."""
+    import zoo
+    from tests.support.random_checkpoints import random_tiny_checkpoint
+
+    out = {}
+    for name in names:
+        out[name] = zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name), dtype="float32")
+        out[name + "/bigram"] = bigram_variant(out[name])
+    return out
+
+
 class CountingSource:
     """A weight-source wrapper that records every read as ``(key, index, nbytes)``."""
 
