@@ -17,8 +17,7 @@ from llguidance.numpy import apply_token_bitmask_inplace
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
-import zoo
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import random_tiny_model
 from zoo.engine.constraint import (
     LIMITS,
     Constraint,
@@ -52,7 +51,7 @@ PROMPT = [1, 5, 9, 11, 40]
 def model(tmp_path_factory):
     """The demo model's config and tokenizer with random weights: constraints are tested against
     outputs the model did not learn to write, and sampling spreads over the vocabulary."""
-    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
+    return random_tiny_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import zoo
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import random_tiny_model
 from zoo.engine.generator import Generator
 
 PROMPTS = {"a": [5, 17, 200, 33, 8], "b": [300, 2, 77, 41], "c": [11, 22, 33, 44, 55, 66]}
@@ -25,7 +24,7 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
+    return random_tiny_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

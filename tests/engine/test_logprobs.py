@@ -17,9 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import zoo
-from tests.support.helpers import bigram_variant
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import bigram_variant, random_tiny_model
 from zoo.engine.generator import Generator
 from zoo.engine.logprobs import MAX_TOP, maybe_token_logprobs, token_logprobs
 
@@ -31,7 +29,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
+    return random_tiny_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,8 @@ import jax
 import numpy as np
 import pytest
 
-import zoo
-from tests.support.helpers import bigram_variant
+from tests.support.helpers import bigram_variant, random_tiny_model
 from tests.support.metrics import metric_total
-from tests.support.random_checkpoints import random_tiny_checkpoint
 from zoo.engine.compile_cache import CompileCounter
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
@@ -68,8 +66,9 @@ def steps_of(gen: Generator, prompts, lengths, grammars=()) -> tuple[list, int, 
 # Qwen with MTP drafts (both narrow programs of the auto policy) over blocks of 256 slots; GLM plain over
 # the whole window (the reads are the same two helpers for both models' attention)
 @pytest.mark.parametrize("name,spec,context", [("qwen38-tiny", 2, 1024), ("glm53-tiny", 0, 256)])
-def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm(name, spec, context, tmp_path):
-    model = zoo.load(random_tiny_checkpoint(tmp_path, name), dtype="float32")
+def test_narrow_steps_give_the_whole_batchs_tokens_and_compile_nothing_once_warm(name, spec, context,
+                                                                                tmp_path_factory):
+    model = random_tiny_model(tmp_path_factory, name)
     model = bigram_variant(model) if spec else model
     tok = model.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]

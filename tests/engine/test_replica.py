@@ -14,8 +14,7 @@ import threading
 
 import pytest
 
-import zoo
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import random_tiny_model
 from zoo.engine.generator import Generator
 from zoo.engine.options import RequestOptions
 from zoo.engine.replica import Channel, Follower, Leader, request_args
@@ -46,7 +45,7 @@ class MemoryStore:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
+    return random_tiny_model(tmp_path_factory)
 
 
 @contextlib.contextmanager

@@ -21,9 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import zoo
-from tests.support.helpers import bigram_variant
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import bigram_variant, random_tiny_model
 from zoo.engine.constraint import OutputGrammar
 from zoo.engine.generator import Generator
 from zoo.engine.spec_policy import MIN_SAMPLES, Acceptance, PromptLookup, SpecPolicy, parse_key, reach, table_key
@@ -162,9 +160,7 @@ def test_the_narrow_programs_steps_are_timed_apart():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return {name: bigram_variant(zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name),
-                                          dtype="float32"))
-            for name in ("qwen38-tiny", "glm53-tiny")}
+    return {name: bigram_variant(random_tiny_model(tmp_path_factory, name)) for name in ("qwen38-tiny", "glm53-tiny")}
 
 
 def second_turn(model, question: str = "What is 12+35?") -> list[int]:

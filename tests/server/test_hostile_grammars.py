@@ -22,8 +22,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-import zoo
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import random_tiny_model
 from zoo.server.app import ServerThread, create_app
 from zoo.server.grammar import MAX_CHOICES, MAX_GRAMMAR_BYTES
 
@@ -96,7 +95,7 @@ def body(surface: str, kind: str, value, n: int) -> tuple[str, dict]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("hostile-tiny")), dtype="float32")
+    model = random_tiny_model(tmp_path_factory)
     with ServerThread(create_app(model, api_key=KEY, model_name="tiny", max_batch=4)) as s:
         yield s
 

@@ -10,8 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-import zoo
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import random_tiny_model
 from zoo.engine.logprobs import TokenLogprob
 from zoo.server.app import ServerThread, create_app
 from zoo.server.logprob_render import LogprobRenderer
@@ -26,7 +25,7 @@ MESSAGES = [{"role": "user", "content": "Hello, zoo"}]
 def model(tmp_path_factory):
     """The demo model's config and tokenizer with random weights and a plain ChatML template (answers
     with no reasoning block; log-probabilities spread over the vocabulary)."""
-    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
+    return random_tiny_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 import zoo
-from tests.support.random_checkpoints import random_tiny_checkpoint
+from tests.support.helpers import random_tiny_model
 from tests.support.server_helpers import GLM_TEMPLATE, QWEN_TEMPLATE, checkpoint_with_template
 from zoo.engine.request import fork_seed
 from zoo.server.app import ServerThread, create_app
@@ -39,7 +39,7 @@ class Lookup(BaseModel):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The demo model's config and tokenizer with random weights and a plain ChatML template."""
-    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp("random-tiny")), dtype="float32")
+    return random_tiny_model(tmp_path_factory)
 
 
 def serve(model, **kwargs):

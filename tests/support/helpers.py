@@ -45,16 +45,22 @@ def bigram_variant(model):
     return Model(module, model.config, model.tokenizer, dict(model.load_info))
 
 
-def random_models_and_bigrams(tmp_path_factory, names) -> dict:
-    """For each embedded demo model in ``names``: its config with one decoder layer of each kind and
-    random weights (``random_tiny_checkpoint``), float32, under its name, and its ``bigram_variant``
-    under ``name + "/bigram"`` (the same programs: only the weights differ)."""
+def random_tiny_model(tmp_path_factory, name: str = "qwen38-tiny"):
+    """Embedded demo model ``name``'s config with one decoder layer of each kind and random weights
+    (``random_tiny_checkpoint``, written under a fresh temporary directory), loaded in float32. Tests
+    that take it share its programs through the persistent compilation cache."""
     import zoo
     from tests.support.random_checkpoints import random_tiny_checkpoint
 
+    return zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name), dtype="float32")
+
+
+def random_models_and_bigrams(tmp_path_factory, names) -> dict:
+    """For each embedded demo model in ``names``: :func:`random_tiny_model` under its name, and its
+    ``bigram_variant`` under ``name + "/bigram"`` (the same programs: only the weights differ)."""
     out = {}
     for name in names:
-        out[name] = zoo.load(random_tiny_checkpoint(tmp_path_factory.mktemp(name), name), dtype="float32")
+        out[name] = random_tiny_model(tmp_path_factory, name)
         out[name + "/bigram"] = bigram_variant(out[name])
     return out
 
