@@ -3,7 +3,8 @@ per-row lengths (``zoo.kernels.ragged_attention``) against the jnp key blocks it
 layer's call compiled by the real TPU compiler (libtpu's topology; no TPU needed).
 
 The call: 3 rows, T tokens (1: decode; 4: a k=3 verify) in a 33,024-slot window, the cache split
-over the 8 chips by its slots (4,128 each) under ``shard_map``, as the models run it. Both
+over the 8 chips by its slots (4,128 each) under ``shard_map``, as the models run it (Qwen's
+interleaved, chip c holding slots c, c + 8, ...; GLM's contiguous, chip c the c-th eighth). Both
 forms are compiled for the target in the same run. What each moves per chip is counted from the
 programs: XLA's bytes accessed for the jnp blocks' program is one trip of its block loop
 (its cost model counts a loop body once; printed beside the three rows' keys and values of a block,
@@ -56,7 +57,7 @@ def qwen_call(mesh, t: int, kernel: bool):
 
     a = functools.partial(_arg, mesh)
     return attend, (a((B, t, h, d), jnp.bfloat16), a((B, g, L, d), jnp.bfloat16, spec),
-                    a((B, g, L, d), jnp.bfloat16, spec), a((B, L), jnp.bool_, P(None, "tp")),
+                    a((B, g, L, d), jnp.bfloat16, spec), a((B, L), jnp.bool_),
                     a((B, t), jnp.int32), a((B,), jnp.int32), a((B,), jnp.bool_))
 
 
@@ -92,12 +93,14 @@ def compile_call(mesh, model: str, t: int, kernel: bool):
     return compiled, cost, calls, time.perf_counter() - t0
 
 
-def blocks_per_chip(fills, t: int, share: int, block: int, chips: int):
+def blocks_per_chip(fills, t: int, share: int, block: int, chips: int, interleaved: bool):
     """Per chip: (the jnp loop's blocks, the same for every row; each row's own blocks), for rows
-    whose last token after the call is at ``fill`` (global slots, chip c holds c*share ..)."""
+    whose last token after the call is at ``fill + t - 1`` (global slots; chip c holds c*share ..
+    or, ``interleaved``, slots c, c + chips, ...: ``zoo.models.shared.kv_slots``)."""
     out = []
     for c in range(chips):
-        own = [max(0, min(-(-(f + t - c * share) // block), -(-share // block))) for f in fills]
+        here = [(f + t - 1 - c) // chips + 1 if interleaved else f + t - c * share for f in fills]   # local reach
+        own = [max(0, min(-(-n // block), -(-share // block))) for n in here]
         out.append((max(own), own))
     return out
 
@@ -120,14 +123,20 @@ def main() -> None:
                   f"kernel compiled in {k_s:.1f} s: {call.steps} grid steps, {call.step_bytes / 2**20:.2f} MiB a step, "
                   f"XLA's bytes accessed around it {around / 2**20:.1f} MiB")
             for fills in [(1024,) * 3, (4096,) * 3, (32767 - t,) * 3, (1024, 4096, 32767 - t), (200, 300, 32767 - t)]:
-                per_chip = blocks_per_chip(fills, t, share, block, 8)
+                per_chip = blocks_per_chip(fills, t, share, block, 8, interleaved=model == "qwen")
                 jnp_bytes = max(loop for loop, _ in per_chip) * jnp_cost["bytes accessed"]
                 kernel_bytes = max(sum(max(1, n) for n in own) * row_block for _, own in per_chip)
                 kernel_est = call.steps * STEP_OVERHEAD_S + (kernel_bytes + around) / bandwidth
                 jnp_est = jnp_bytes / bandwidth
+                layout = ""
+                if model == "qwen":         # the same kernel had the slots been split contiguously
+                    contiguous = blocks_per_chip(fills, t, share, block, 8, interleaved=False)
+                    before = max(sum(max(1, n) for n in own) * row_block for _, own in contiguous)
+                    layout = f"; contiguous shares {before / 2**20:5.1f} MiB, interleaved / contiguous " \
+                             f"{kernel_bytes / before:.2f}"
                 print(f"     rows at {'/'.join(map(str, fills)):>17}: jnp blocks {jnp_bytes / 2**20:6.1f} MiB "
                       f"{jnp_est * 1e3:.3f} ms; kernel {kernel_bytes / 2**20:6.1f} MiB {kernel_est * 1e3:.3f} ms; "
-                      f"kernel / jnp {kernel_est / jnp_est:.2f}")
+                      f"kernel / jnp {kernel_est / jnp_est:.2f}{layout}")
 
 
 if __name__ == "__main__":

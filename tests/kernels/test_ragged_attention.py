@@ -81,6 +81,10 @@ def test_token_blocks():
     # a chip's share from slot 4096: a row that ends before it reads nothing, one past it reads its part
     assert ra.token_blocks(jnp.asarray([100, 4096, 5000, 9000]), 1, live[:4], 4096, 512, 4096)[:, 0].tolist() == [
         0, 1, 2, 8]
+    # an interleaved share (chip 3 of 8 holds slots 3, 11, 19, ...): a row filled to f tokens has about
+    # f / 8 of them here, so chip 3 reads 1 block of 512 for rows of 100 and 4,000 tokens and 2 for 4,200
+    assert ra.token_blocks(jnp.asarray([2, 99, 3999, 4199]), 1, live[:4], 4128, 512, 3, 8)[:, 0].tolist() == [
+        0, 1, 1, 2]
     # the key block each grid step brings in: past the count, the last block again (no new DMA)
     assert [int(ra.block_read(j, 3)) for j in range(6)] == [0, 1, 2, 2, 2, 2]
     assert [int(ra.block_read(j, 0)) for j in range(3)] == [0, 0, 0]
@@ -157,11 +161,12 @@ def test_split_over_chips_through_the_kernel(length, filled, t, live):
     n = 8
     q, k, v, slots = case(length, filled, t, seed=4, live=live, d=D)
     share = length // n
-    shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], n, share, *a.shape[axis + 1:]), axis, 0)  # noqa: E731
-    chip = jax.vmap(lambda k, v, valid: ga.kernel_attention_share(
-        q, k, v, valid, slots.query_slot, slots.write_at, slots.live, axis="tp", scale=D ** -0.5, interpret=True),
-        axis_name="tp")
-    out = jax.jit(chip)(shares(k, 2), shares(v, 2), shares(slots.key_valid, 1))
+    # chip c holds slots c, c + n, ... (the interleaved layout, ``kv_slots``): [n, ..., share, ...]
+    shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], share, n, *a.shape[axis + 1:]), axis + 1, 0)  # noqa: E731
+    chip = jax.vmap(lambda k, v: ga.kernel_attention_share(
+        q, k, v, slots.key_valid, slots.query_slot, slots.write_at, slots.live, axis="tp", scale=D ** -0.5,
+        interpret=True), axis_name="tp")
+    out = jax.jit(chip)(shares(k, 2), shares(v, 2))
     ref = ga.grouped_attention(q, k, v, ga.attention_mask(slots), D ** -0.5)
     rows = np.asarray(live)
     for c in range(n):
@@ -192,7 +197,7 @@ def test_tpu_compiler_takes_it_at_full_size():
         return ga.kernel_attention(q, k, v, slots, d ** -0.5, spec)
 
     args = (arg((b, t, h, d), jnp.bfloat16), arg((b, g, length, d), jnp.bfloat16, spec),
-            arg((b, g, length, d), jnp.bfloat16, spec), arg((b, length), jnp.bool_, P(None, "tp")),
+            arg((b, g, length, d), jnp.bfloat16, spec), arg((b, length), jnp.bool_),
             arg((b, t), jnp.int32), arg((b,), jnp.int32), arg((b,), jnp.bool_))
     with jax.set_mesh(mesh), kernel_census() as calls:
         compiled = jax.jit(attend).lower(*args).compile()

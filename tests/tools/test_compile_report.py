@@ -194,14 +194,19 @@ def test_roofline_arithmetic():
     assert [attention.bytes_at(f) for f in (None, 1, 512, 513, 4096, 5000)] == [
         108 << 19, 12 << 19, 12 << 19, 24 << 19, 96 << 19, 108 << 19]
     assert calls[0].bytes_at(100) == 4000
+    # the same share interleaved over 8 chips (Qwen's KV cache): a row at f tokens has f / 8 here
+    spread = KernelCall("ragged_attention", 108, 1 << 19, 108 << 19, slots=4128, block=512, stride=8)
+    assert [spread.bytes_at(f) for f in (None, 1, 4096, 4097, 32768, 40000)] == [
+        108 << 19, 12 << 19, 12 << 19, 24 << 19, 96 << 19, 108 << 19]
     r = roofline({"weights": 6000}, 1000, [attention, calls[0]], {"optimal_seconds": 0.5}, "v5e", fill=1000)
     assert r["pallas"]["weight_bytes"] == (24 << 19) + 4000 and r["pallas"]["grid_steps"] == 112
 
 
 def test_state_read_at_a_fill_level():
     """``zoo compile --fill``: a cache split over its slots costs the busiest chip its share up to the
-    fill (chip 0 holds the first slots); a cache whole on every chip, or split by heads, fill / L of
-    its shard; pools count by the tokens they hold; what is not a cache leaf is read whole."""
+    fill: GLM's pools (chip 0 holds the first slots) the fill, Qwen's KV (``kv_len``: interleaved,
+    every chip 1/8 of the tokens) fill / 8; a cache whole on every chip, or split by heads, fill / L
+    of its shard; pools count by the tokens they hold; what is not a cache leaf is read whole."""
     import jax.numpy as jnp
     from jax.sharding import AbstractMesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -227,13 +232,13 @@ def test_state_read_at_a_fill_level():
     whole = 2 * kv_shard + 2 * head_shard + 3 * L + pool_shard + tails + 2 * 3 * 4 + 3 * 4
     assert state_read(state) == state_read(state, L) == whole
     for fill in (1024, 4096):
-        slots = 2 * kv_shard * min(fill, L // 8) / (L // 8)      # chip 0: the first L / 8 slots
+        slots = 2 * kv_shard * (fill // 8) / (L // 8)           # every chip: 1 / 8 of the fill
         heads = 2 * head_shard * fill / L
         pooled = pool_shard * min(fill // 4, L // 32) / (L // 32)
         want = slots + heads + 3 * L * fill / L + pooled + tails + 2 * 3 * 4 + 3 * 4
         assert state_read(state, fill) == int(want), fill
-    # at 4096 tokens chip 0 of a split leaf reads all of its share: only the whole-window leaves get cheaper
-    assert state_read(state, 4096) == whole - 2 * head_shard * 7 / 8 - 3 * L * 7 / 8
+    # at 4096 tokens chip 0 of the pools reads all of its share; the interleaved KV 1/8 of it
+    assert state_read(state, 4096) == whole - 2 * kv_shard * 7 / 8 - 2 * head_shard * 7 / 8 - 3 * L * 7 / 8
 
 
 def test_must_read_counts_each_weight_by_what_a_step_touches():

@@ -14,8 +14,10 @@ programs (``RowCopies``) are shared by every generator of an equal configuration
 
 ``cache`` is a 1-row cache (``[1, L, ...]`` leaves) of a compact row (slot s holds position s).
 A leaf is per token when one of its logical axes is a token axis (``zoo.sharding.cache_axes.token_axis``);
-``strides``: tokens per entry of that axis (1 for slots, the pool size for pooled keys). Every
-output is a fresh buffer: the row it was read from is donated to the next prefill piece.
+``strides``: tokens per entry of that axis (1 for slots, the pool size for pooled keys). A block is in
+global slot order whatever the mesh (a cache whose slots interleave over the chips, Qwen's KV on a
+mesh its KV heads do not divide, is read and written through ``kv_slots.take_slots`` / ``put_slots``).
+Every output is a fresh buffer: the row it was read from is donated to the next prefill piece.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flax import nnx
 from zoo.engine.flat_state import as_state
 from zoo.engine.prefix_cache import PrefixCache, Snapshot, split_leaves
 from zoo.engine.step_programs import shared
+from zoo.models.shared.kv_slots import put_slots, slot_interleave, take_slots
 from zoo.sharding.cache_axes import map_with_axes, shard_cache, token_axis
 from zoo.sharding.mesh import host_value, on_mesh
 
@@ -109,7 +112,7 @@ class RowCopies:
             if a is None:
                 return None
             st = self.strides[path]
-            return jax.lax.dynamic_slice_in_dim(x, start // st, self.block // st, a)
+            return take_slots(x, start // st, self.block // st, a, slot_interleave(axes, x.shape))
         return map_with_axes(take, cache)
 
     def _take_rest(self, cache, hidden, start, window: bool):
@@ -124,7 +127,7 @@ class RowCopies:
             a = token_axis(axes)
             if a is None:
                 return x
-            return jax.lax.dynamic_update_slice_in_dim(x, new[path].astype(x.dtype), start // self.strides[path], a)
+            return put_slots(x, new[path], start // self.strides[path], a, slot_interleave(axes, x.shape))
         return shard_cache(map_with_axes(put, cache))
 
     def _put_state(self, cache, state):

@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from zoo.kernels.census import record
+from zoo.models.shared.kv_slots import share_layout
 from zoo.ops.matmul import precision_for
 
 F32 = jnp.float32
@@ -78,13 +79,15 @@ def supported(share: int, block: int, dk: int, dv: int) -> bool:
     return block % LANES == 0 and share >= block and dk % LANES == 0 and dv % LANES == 0
 
 
-def token_blocks(write_at: jax.Array, t: int, live: jax.Array, share: int, block: int, first) -> jax.Array:
-    """int32 [B, T]: the key blocks of a share (``share`` slots from global slot ``first``) that token i
-    of row b reads in a call of ``t`` tokens written at ``write_at[b]``: those up to its own slot
-    ``write_at[b] + i``; none for a row without a real token in the call (``live[b]`` False) or a
-    token whose slots all lie before the share."""
-    reach = write_at[:, None] + jnp.arange(1, t + 1, dtype=jnp.int32)[None, :]
-    reach = jnp.where(live[:, None], reach, 0) - first
+def token_blocks(write_at: jax.Array, t: int, live: jax.Array, share: int, block: int, first,
+                 stride=1) -> jax.Array:
+    """int32 [B, T]: the key blocks of a share (``share`` slots; global slot g is its local slot
+    ``(g - first) // stride``: ``zoo.models.shared.kv_slots.share_layout``) that token i of row b reads
+    in a call of ``t`` tokens written at ``write_at[b]``: those up to its own slot ``write_at[b] + i``;
+    none for a row without a real token in the call (``live[b]`` False) or a token whose slots all lie
+    before the share."""
+    slot = write_at[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    reach = jnp.where(live[:, None], (slot - first) // stride + 1, 0)
     return jnp.clip(-(-reach // block), 0, -(-share // block)).astype(jnp.int32)
 
 
@@ -140,8 +143,11 @@ def window_starts(key_pos: jax.Array, rows: int, pool: int, block: int, n_k: int
 
 
 def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: int, scale: float,
-                     selection: PoolSelection | None = None, interpret: bool = False):
-    """The kernel (module docstring); ``(m [B, G, M], l [B, G, M], acc [B, G, M, Dv])``, float32."""
+                     selection: PoolSelection | None = None, interpret: bool = False, stride: int = 1):
+    """The kernel (module docstring); ``(m [B, G, M], l [B, G, M], acc [B, G, M, Dv])``, float32.
+    ``stride``: the share holds every ``stride``-th slot of its rows (an interleaved share, whose
+    ``query_slot`` and ``first`` the caller gave in local slots); only the census uses it (a row
+    filled to f tokens has f / stride of them here)."""
     b, g, m, dk = q.shape
     t = n_blocks.shape[1]
     share = k.shape[2]
@@ -194,7 +200,7 @@ def ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, *, block: 
         num_scalar_prefetch=3, grid=(b, n_q, n_k), in_specs=in_specs,
         out_specs=[stat_spec, stat_spec, acc_spec], scratch_shapes=stats)
     step_bytes = g * block * (dk + (0 if v is None else dv)) * k.dtype.itemsize
-    record("ragged_attention", b * n_q * n_k, step_bytes, b * n_q * n_k * step_bytes, share, block)
+    record("ragged_attention", b * n_q * n_k, step_bytes, b * n_q * n_k * step_bytes, share, block, stride)
     state = g * mq * (2 * LANES + dv) * 4
     mask_bytes = block * 4 + tq * 4 + flag_bytes
     vmem = 2 * (g * mq * dk * q.dtype.itemsize + step_bytes + mask_bytes + state) + state + 6 * mq * block * 4
@@ -292,17 +298,24 @@ def _kernel(nb_ref, first_ref, start_ref, *refs, block: int, scale: float, n_q: 
 
 
 def share_attention(q, k, v, key_valid, query_slot, write_at, live, *, axis, block: int, scale: float,
-                    selection: PoolSelection | None = None, interpret: bool = False) -> jax.Array:
+                    selection: PoolSelection | None = None, interpret: bool = False,
+                    interleaved: bool = False) -> jax.Array:
     """One chip's share of a call, finished: each token's block counts from ``write_at [B]`` and
-    ``live [B]`` (:func:`token_blocks`, the share starting at ``axis_index(axis) * S``; at 0 where
-    ``axis`` is None: the whole window), the kernel, then :func:`finish` or, across ``axis``,
-    :func:`combine`. Shapes as :func:`ragged_attention`; returns float32 ``[B, G, M, Dv]``."""
+    ``live [B]`` (:func:`token_blocks`, the share's slots as ``zoo.models.shared.kv_slots.share_layout``
+    lays them out over ``axis``: ``interleaved``, or contiguous from ``axis_index(axis) * S``; the
+    whole window where ``axis`` is None), the kernel, then :func:`finish` or, across ``axis``,
+    :func:`combine`. ``key_valid`` is the share's, in its local order; ``query_slot`` global. Shapes
+    as :func:`ragged_attention`; returns float32 ``[B, G, M, Dv]``."""
     share = k.shape[2]
     t = (query_slot if selection is None else selection.query_pos).shape[1]
-    first = 0 if axis is None else jax.lax.axis_index(axis) * share
-    n_blocks = token_blocks(write_at, t, live, share, block, first)
+    first, stride = (0, 1) if axis is None else share_layout(axis, share, interleaved)
+    if interleaved and selection is not None:
+        raise ValueError("share_attention: GLM's pool selection reads contiguous shares only")
+    n_blocks = token_blocks(write_at, t, live, share, block, first, stride)
+    if stride != 1:                     # visibility in local slots: j <= (q - first) // stride
+        query_slot, first = (query_slot - first) // stride, 0
     m, l, acc = ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, block=block,  # noqa: E741
-                                 scale=scale, selection=selection, interpret=interpret)
+                                 scale=scale, selection=selection, interpret=interpret, stride=stride)
     return finish(m, l, acc) if axis is None else combine(m, l, acc, axis)
 
 

@@ -15,8 +15,9 @@ HBM bandwidth, and what the Pallas kernels add for their grid steps.
   1 for a prefill chunk with MTP rows), its experts for ``mtp_rows`` rows a call;
 * the batch state: every cache leaf whole (a decode step at full context reads all of it), or at
   ``fill`` tokens per row (``zoo compile --fill``) the per-token leaves only up to that fill, as the
-  length-aware attention reads them: of a leaf split over its slots, the busiest chip's share (chip
-  0 holds the first slots); of one whole on every chip (or split by heads), ``fill / L`` of it.
+  length-aware attention reads them: of a leaf split over its slots, the busiest chip's share (GLM's
+  latent cache: chip 0 holds the first slots; Qwen's KV cache, interleaved: ``fill / n`` on every
+  chip); of one whole on every chip (or split by heads), ``fill / L`` of it.
 
 **Time.** ``bytes / HBM bandwidth`` is the floor. The Pallas kernels' estimate is
 ``grid steps * STEP_OVERHEAD_S + bytes they move / bandwidth`` (the overhead not hidden behind the
@@ -36,6 +37,7 @@ from flax import nnx
 
 from zoo.kernels.census import KernelCall
 from zoo.loader.abstract import shard_bytes_of
+from zoo.models.shared.kv_slots import INTERLEAVED_AXES
 from zoo.sharding.cache_axes import CacheState, map_with_axes, token_axis
 
 STEP_OVERHEAD_S = 0.35e-6            # per Pallas grid step on TPU (the Pallas TPU pipelining guide's figure)
@@ -70,7 +72,8 @@ def state_read(state, fill: int | None = None) -> int:
     """Bytes per chip a step reads of the batch ``state`` (arrays or ShapeDtypeStructs with their
     shardings; cache containers carry their logical axes) with rows filled to ``fill`` tokens (None:
     every leaf whole). A per-token leaf of E entries (slots, or pools of L / E tokens) reads
-    ``min(filled entries, S) / S`` of its shard of S entries (the busiest chip: its slots come first)."""
+    ``min(filled entries, S) / S`` of its shard of S entries (the busiest chip: its slots come first),
+    or where its slots interleave over the chips (``kv_slots.INTERLEAVED_AXES``) ``filled / n`` of them."""
     if fill is None:
         return shard_bytes_of(state)
     is_cache = lambda x: isinstance(x, CacheState)                                  # noqa: E731
@@ -80,16 +83,18 @@ def state_read(state, fill: int | None = None) -> int:
 
     def sort(_, x, axes):
         a = token_axis(axes)
-        per_token.append((x, a)) if a is not None else whole.append(x)
+        per_token.append((x, a, axes[a] in INTERLEAVED_AXES)) if a is not None else whole.append(x)
         return x
 
     map_with_axes(sort, [x for x in leaves if is_cache(x)])
-    slots = max((x.shape[a] for x, a in per_token), default=0)
+    slots = max((x.shape[a] for x, a, _ in per_token), default=0)
     total = shard_bytes_of(whole)
-    for x, a in per_token:
+    for x, a, interleaved in per_token:
         entries = x.shape[a]
         share = x.sharding.shard_shape(x.shape)[a] if getattr(x, "sharding", None) is not None else entries
         filled = -(-min(fill, slots) * entries // slots)                  # entries holding the first fill tokens
+        if interleaved:                                                   # every chip holds 1 / n of them
+            filled = -(-filled * share // entries)
         total += shard_bytes_of(x) * min(filled, share) / share
     return int(total)
 

@@ -90,22 +90,25 @@ def test_blocks_follow_the_tokens_present():
         assert int(blocks_visited(slots.write_at, t, 32768)) == want, (filled, t)
 
 
-@pytest.mark.parametrize("length,filled,t,live", [(8 * 1100, [5000, 1200], 3, (True, True)),   # 2-3 blocks per chip
-                                                  (8 * 1100, [600, 30], 1, (True, False)),     # chips 1..7 empty
+@pytest.mark.parametrize("length,filled,t,live", [(8 * 1100, [5000, 1200], 3, (True, True)),   # 1-2 blocks per chip
+                                                  (8 * 1100, [600, 30], 1, (True, False)),     # an idle row
+                                                  (8 * 1100, [2, 0], 1, (True, False)),        # chips 3..7 empty
                                                   (8 * 16, [0, 100], 40, (True, True))])       # a chunk over shares
 def test_split_over_chips_equals_whole_window(length, filled, t, live):
-    """The cache split over 8 chips by its slots (Qwen3.8-27B's 4 KV heads on 8 chips), simulated with
-    ``vmap`` over a named axis (the collectives as under ``shard_map``): each chip reads the filled
-    blocks of its share, an empty share reads none, and the combined result equals the whole window."""
+    """The cache split over 8 chips by its slots (Qwen3.8-27B's 4 KV heads on 8 chips), interleaved
+    (chip c holds slots c, c + 8, ...), simulated with ``vmap`` over a named axis (the collectives as
+    under ``shard_map``): each chip reads the filled blocks of its share, an empty share reads none,
+    and the combined result equals the whole window."""
     from zoo.models.qwen38.gated_attention import split_attention_share
     n = 8
     q, k, v, slots = case(length, filled, t, seed=4, live=live)
     share = length // n
-    shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], n, share, *a.shape[axis + 1:]), axis, 0)  # noqa: E731
-    chip = jax.vmap(lambda k, v, valid: split_attention_share(q, k, v, valid, slots.query_slot, slots.write_at,
-                                                              slots.live, axis="tp", scale=D ** -0.5),
+    # chip c holds slots c, c + n, ... (the interleaved layout, ``kv_slots``): [n, ..., share, ...]
+    shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], share, n, *a.shape[axis + 1:]), axis + 1, 0)  # noqa: E731
+    chip = jax.vmap(lambda k, v: split_attention_share(q, k, v, slots.key_valid, slots.query_slot, slots.write_at,
+                                                       slots.live, axis="tp", scale=D ** -0.5),
                     axis_name="tp")
-    out = jax.jit(chip)(shares(k, 2), shares(v, 2), shares(slots.key_valid, 1))
+    out = jax.jit(chip)(shares(k, 2), shares(v, 2))
     ref = grouped_attention(q, k, v, attention_mask(slots), D ** -0.5)
     rows = np.asarray(live)
     for c in range(n):                                        # every chip holds the whole result

@@ -16,6 +16,9 @@ The attention reads the filled part of the window only: the jnp key blocks of
 ``zoo.models.shared.filled_blocks`` (``filled_attention``: blocks up to the batch's longest row) or, on
 TPU, the Pallas kernel with per-row lengths (``kernel_attention``, ``zoo.kernels.ragged_attention``:
 each row its own blocks); both under ``shard_map`` where the mesh splits the cache over its slots.
+That split interleaves the slots (``zoo.models.shared.kv_slots``: chip c of n holds slots c, c + n,
+...), so every chip holds about 1/n of each row's tokens and a step's reads follow the fill on every
+chip.
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ from zoo.models.shared.filled_blocks import (
     kernel_block,
     kernel_takes,
     key_block,
-    local_blocks,
     online_softmax,
     read_block,
+    share_blocks,
     split_online_softmax,
 )
-from zoo.models.shared.kv_slots import write_slots
+from zoo.models.shared.kv_slots import share_flags, share_layout, write_slots
 from zoo.models.shared.layers import Linear, RMSNorm, apply_rotary
 from zoo.ops.matmul import einsum, precision_for
 from zoo.sharding.cache_axes import CacheState, cache_state
@@ -196,14 +199,15 @@ def _blocked_attention(q, k, v, key_valid, query_slot, scale, n_blocks, block, f
 def split_filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float,
                            spec: P) -> jax.Array:
     """:func:`filled_attention` with the cache split over its slots on mesh axis ``spec[2]``, under
-    ``shard_map``: chip c holds slots ``c * S .. (c+1) * S - 1`` of every row and KV head, reads the
-    filled blocks of them (none where its share is still empty), and the partial softmax sums are
-    combined across the axis. The queries are gathered to every chip (they are T tokens); the result
-    is whole on every chip. Shapes as :func:`grouped_attention`."""
+    ``shard_map``: chip c of n holds slots ``c, c + n, c + 2n, ...`` of every row and KV head (the
+    interleaved layout of ``zoo.models.shared.kv_slots``: a row filled to f tokens has about f / n on
+    every chip), reads the filled blocks of them (none where its share is still empty), and the
+    partial softmax sums are combined across the axis. The queries are gathered to every chip (they
+    are T tokens); the result is whole on every chip. Shapes as :func:`grouped_attention`."""
     axis = spec[2]
     local = functools.partial(split_attention_share, axis=axis, scale=scale)
     rows = P(spec[0])
-    return jax.shard_map(local, in_specs=(P(spec[0], None, None, None), spec, spec, P(spec[0], axis),
+    return jax.shard_map(local, in_specs=(P(spec[0], None, None, None), spec, spec, P(spec[0], None),
                                           P(spec[0], None), rows, rows),
                          out_specs=P(spec[0], None, None, None), check_vma=False)(
         q, k, v, slots.key_valid, slots.query_slot, slots.write_at, slots.live)
@@ -211,12 +215,16 @@ def split_filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slot
 
 def split_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axis: str, scale: float):
     """One chip's part of :func:`split_filled_attention` (under ``shard_map``, or ``vmap`` with
-    ``axis_name``): ``k, v [B, G, S, D]`` and ``key_valid [B, S]`` its share of the slots, the rest
-    whole; returns the whole result ``[B, T, H, Dv]``, combined across ``axis``."""
+    ``axis_name``): ``k, v [B, G, S, D]`` its share of the slots (interleaved, in local order), the rest
+    whole (``key_valid [B, L]`` too); returns the whole result ``[B, T, H, Dv]``, combined across
+    ``axis``. Visibility is compared in local slots (``kv_slots.share_layout``)."""
     share = k.shape[2]
-    block, n_blocks, first = local_blocks(write_at, q.shape[1], share, jax.lax.axis_index(axis), live)
+    offset, stride = share_layout(axis, share, interleaved=True)
+    block, n_blocks = share_blocks(write_at, q.shape[1], share, offset, stride, live)
     softmax = functools.partial(split_online_softmax, axis)
-    return _blocked_attention(q, k, v, key_valid, query_slot, scale, n_blocks, block, first, softmax)
+    local_slot = (query_slot - offset) // stride
+    key_valid = share_flags(key_valid, axis, share, interleaved=True)
+    return _blocked_attention(q, k, v, key_valid, local_slot, scale, n_blocks, block, 0, softmax)
 
 
 def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float, spec: P | None,
@@ -232,20 +240,24 @@ def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
         return local(*args)
     heads = P(spec[0], None, spec[1], None)
     rows = P(spec[0])
-    return jax.shard_map(local, in_specs=(heads, spec, spec, P(spec[0], spec[2]), P(spec[0], None), rows, rows),
+    return jax.shard_map(local, in_specs=(heads, spec, spec, P(spec[0], None), P(spec[0], None), rows, rows),
                          out_specs=heads, check_vma=False)(*args)
 
 
 def kernel_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axis: str | None, scale: float,
                            interpret: bool = False):
     """One chip's part of :func:`kernel_attention` (the whole call where ``axis`` is None): ``k, v
-    [B, G, S, D]`` and ``key_valid [B, S]`` its share of the slots; returns ``[B, T, H, Dv]``."""
+    [B, G, S, D]`` its share of the slots (interleaved, in local order), ``key_valid [B, L]`` whole;
+    returns ``[B, T, H, Dv]``."""
     b, t, h, dk = q.shape
     g, dv = k.shape[1], v.shape[-1]
     r = h // g
     qg = jnp.moveaxis(q.reshape(b, t, g, r, dk), 1, 2).reshape(b, g, t * r, dk)    # token-major: row t * R + r
+    if axis is not None:
+        key_valid = share_flags(key_valid, axis, k.shape[2], interleaved=True)
     out = ragged.share_attention(qg, k, v, key_valid, query_slot, write_at, live, axis=axis,
-                                 block=kernel_block(k.shape[2]), scale=scale, interpret=interpret)
+                                 block=kernel_block(k.shape[2]), scale=scale, interpret=interpret,
+                                 interleaved=axis is not None)
     return jnp.moveaxis(out.reshape(b, g, t, r, dv), 2, 1).reshape(b, t, h, dv).astype(q.dtype)
 
 

@@ -18,7 +18,7 @@ absorbed MLA.
                             mix: p [*stats_shape, S] -> float32 [*stats_shape, d_out])
     split_online_softmax(axis, ...)  the same inside ``shard_map`` where the keys are split over the
         slots on mesh ``axis`` (each chip its blocks, then combined); ``local_blocks`` gives a
-        chip's block count
+        chip's block count (``share_blocks`` for an interleaved share)
 
 A cache may hold more rows than a call computes (``zoo.engine.step_programs.decode_narrow`` passes
 the whole batch's slot buffers to a step of its first rows, so that they are written in place): the
@@ -163,8 +163,18 @@ def local_blocks(write_at: jax.Array, t: int, share: int, shard: jax.Array, live
     Returns ``(block, n_blocks, first_slot)``: the block width (``key_block(share)``, or the whole
     share), how many of the chip's blocks reach up to the last slot a live row holds after a call of
     ``t`` tokens at ``write_at [B]`` (0 where its share holds none of them), and its first global slot."""
-    block = key_block(share) or share
     first = shard * share
-    reach = write_at + t if live is None else jnp.where(live, write_at + t, 0)
-    n = jnp.clip((jnp.max(reach) - first + block - 1) // block, 0, -(-share // block)).astype(jnp.int32)
+    block, n = share_blocks(write_at, t, share, first, 1, live)
     return block, n, first
+
+
+def share_blocks(write_at: jax.Array, t: int, share: int, offset, stride, live: jax.Array | None = None):
+    """:func:`local_blocks` for a share of any layout (``zoo.models.shared.kv_slots.share_layout``:
+    global slot g is local slot ``(g - offset) // stride``): ``(block, n_blocks)``, the blocks of the
+    share up to the last slot a live row holds after the call."""
+    block = key_block(share) or share
+    last = write_at + t - 1
+    reach = (last - offset) // stride + 1
+    reach = reach if live is None else jnp.where(live, reach, 0)
+    n = jnp.clip((jnp.max(reach) + block - 1) // block, 0, -(-share // block)).astype(jnp.int32)
+    return block, n
