@@ -96,7 +96,7 @@ def compile_call(mesh, model: str, t: int, kernel: bool):
 def blocks_per_chip(fills, t: int, share: int, block: int, chips: int, interleaved: bool):
     """Per chip: (the jnp loop's blocks, the same for every row; each row's own blocks), for rows
     whose last token after the call is at ``fill + t - 1`` (global slots; chip c holds c*share ..
-    or, ``interleaved``, slots c, c + chips, ...: ``zoo.models.shared.kv_slots``)."""
+    or, ``interleaved``, slots c, c + chips, ...: ``zoo.sharding.slot_layout``)."""
     out = []
     for c in range(chips):
         here = [(f + t - 1 - c) // chips + 1 if interleaved else f + t - c * share for f in fills]   # local reach

@@ -161,7 +161,7 @@ def test_split_over_chips_through_the_kernel(length, filled, t, live):
     n = 8
     q, k, v, slots = case(length, filled, t, seed=4, live=live, d=D)
     share = length // n
-    # chip c holds slots c, c + n, ... (the interleaved layout, ``kv_slots``): [n, ..., share, ...]
+    # chip c holds slots c, c + n, ... (the interleaved layout, ``slot_layout``): [n, ..., share, ...]
     shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], share, n, *a.shape[axis + 1:]), axis + 1, 0)  # noqa: E731
     chip = jax.vmap(lambda k, v: ga.kernel_attention_share(
         q, k, v, slots.key_valid, slots.query_slot, slots.write_at, slots.live, axis="tp", scale=D ** -0.5,

@@ -16,7 +16,7 @@ programs (``RowCopies``) are shared by every generator of an equal configuration
 A leaf is per token when one of its logical axes is a token axis (``zoo.sharding.cache_axes.token_axis``);
 ``strides``: tokens per entry of that axis (1 for slots, the pool size for pooled keys). A block is in
 global slot order whatever the mesh (a cache whose slots interleave over the chips, Qwen's KV on a
-mesh its KV heads do not divide, is read and written through ``kv_slots.take_slots`` / ``put_slots``).
+mesh its KV heads do not divide, is read and written through ``slot_layout.take_slots`` / ``put_slots``).
 Every output is a fresh buffer: the row it was read from is donated to the next prefill piece.
 """
 
@@ -29,9 +29,9 @@ from flax import nnx
 from zoo.engine.flat_state import as_state
 from zoo.engine.prefix_cache import PrefixCache, Snapshot, split_leaves
 from zoo.engine.step_programs import shared
-from zoo.models.shared.kv_slots import put_slots, slot_interleave, take_slots
 from zoo.sharding.cache_axes import map_with_axes, shard_cache, token_axis
 from zoo.sharding.mesh import host_value, on_mesh
+from zoo.sharding.slot_layout import put_slots, slot_interleave, take_slots
 
 
 def _by_path(tree) -> dict:

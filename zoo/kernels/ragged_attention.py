@@ -61,8 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from zoo.kernels.census import record
-from zoo.models.shared.kv_slots import share_layout
 from zoo.ops.matmul import precision_for
+from zoo.sharding.slot_layout import share_layout
 
 F32 = jnp.float32
 F32_MIN = jnp.finfo(jnp.float32).min
@@ -82,7 +82,7 @@ def supported(share: int, block: int, dk: int, dv: int) -> bool:
 def token_blocks(write_at: jax.Array, t: int, live: jax.Array, share: int, block: int, first,
                  stride=1) -> jax.Array:
     """int32 [B, T]: the key blocks of a share (``share`` slots; global slot g is its local slot
-    ``(g - first) // stride``: ``zoo.models.shared.kv_slots.share_layout``) that token i of row b reads
+    ``(g - first) // stride``: ``zoo.sharding.slot_layout.share_layout``) that token i of row b reads
     in a call of ``t`` tokens written at ``write_at[b]``: those up to its own slot ``write_at[b] + i``;
     none for a row without a real token in the call (``live[b]`` False) or a token whose slots all lie
     before the share."""
@@ -301,7 +301,7 @@ def share_attention(q, k, v, key_valid, query_slot, write_at, live, *, axis, blo
                     selection: PoolSelection | None = None, interpret: bool = False,
                     interleaved: bool = False) -> jax.Array:
     """One chip's share of a call, finished: each token's block counts from ``write_at [B]`` and
-    ``live [B]`` (:func:`token_blocks`, the share's slots as ``zoo.models.shared.kv_slots.share_layout``
+    ``live [B]`` (:func:`token_blocks`, the share's slots as ``zoo.sharding.slot_layout.share_layout``
     lays them out over ``axis``: ``interleaved``, or contiguous from ``axis_index(axis) * S``; the
     whole window where ``axis`` is None), the kernel, then :func:`finish` or, across ``axis``,
     :func:`combine`. ``key_valid`` is the share's, in its local order; ``query_slot`` global. Shapes

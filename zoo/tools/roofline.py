@@ -37,8 +37,8 @@ from flax import nnx
 
 from zoo.kernels.census import KernelCall
 from zoo.loader.abstract import shard_bytes_of
-from zoo.models.shared.kv_slots import INTERLEAVED_AXES
 from zoo.sharding.cache_axes import CacheState, map_with_axes, token_axis
+from zoo.sharding.slot_layout import INTERLEAVED_AXES
 
 STEP_OVERHEAD_S = 0.35e-6            # per Pallas grid step on TPU (the Pallas TPU pipelining guide's figure)
 HBM_BANDWIDTH = {"v5e": 819e9, "v6e": 1640e9, "v5p": 2765e9}     # bytes/s per chip, vendor figures
@@ -73,7 +73,7 @@ def state_read(state, fill: int | None = None) -> int:
     shardings; cache containers carry their logical axes) with rows filled to ``fill`` tokens (None:
     every leaf whole). A per-token leaf of E entries (slots, or pools of L / E tokens) reads
     ``min(filled entries, S) / S`` of its shard of S entries (the busiest chip: its slots come first),
-    or where its slots interleave over the chips (``kv_slots.INTERLEAVED_AXES``) ``filled / n`` of them."""
+    or where its slots interleave over the chips (``slot_layout.INTERLEAVED_AXES``) ``filled / n`` of them."""
     if fill is None:
         return shard_bytes_of(state)
     is_cache = lambda x: isinstance(x, CacheState)                                  # noqa: E731

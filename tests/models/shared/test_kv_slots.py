@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo.models.shared.kv_slots import _write, _write_local, deinterleave, interleave
+from zoo.models.shared.kv_slots import _write, _write_local
+from zoo.sharding.slot_layout import deinterleave, interleave
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 12, 40])
@@ -30,7 +31,7 @@ def test_sharded_writes_equal_one_write(tokens):
 
 @pytest.mark.parametrize("tokens", [1, 4, 12, 40])
 def test_interleaved_writes_equal_one_write(tokens):
-    """The interleaved layout (``kv_slots`` module docstring: chip c of n holds slots c, c + n, ...):
+    """The interleaved layout (``zoo.sharding.slot_layout``: chip c of n holds slots c, c + n, ...):
     each shard writes the tokens whose slots are its own, at their local slots, and the shards put
     back in slot order (``deinterleave`` of their chip-major concatenation) equal one write."""
     rows, length, shards, width = 3, 64, 4, 5

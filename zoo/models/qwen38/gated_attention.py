@@ -16,7 +16,7 @@ The attention reads the filled part of the window only: the jnp key blocks of
 ``zoo.models.shared.filled_blocks`` (``filled_attention``: blocks up to the batch's longest row) or, on
 TPU, the Pallas kernel with per-row lengths (``kernel_attention``, ``zoo.kernels.ragged_attention``:
 each row its own blocks); both under ``shard_map`` where the mesh splits the cache over its slots.
-That split interleaves the slots (``zoo.models.shared.kv_slots``: chip c of n holds slots c, c + n,
+That split interleaves the slots (``zoo.sharding.slot_layout``: chip c of n holds slots c, c + n,
 ...), so every chip holds about 1/n of each row's tokens and a step's reads follow the fill on every
 chip.
 """
@@ -46,11 +46,12 @@ from zoo.models.shared.filled_blocks import (
     share_blocks,
     split_online_softmax,
 )
-from zoo.models.shared.kv_slots import share_flags, share_layout, write_slots
+from zoo.models.shared.kv_slots import write_slots
 from zoo.models.shared.layers import Linear, RMSNorm, apply_rotary
 from zoo.ops.matmul import einsum, precision_for
 from zoo.sharding.cache_axes import CacheState, cache_state
 from zoo.sharding.mesh import current_spec
+from zoo.sharding.slot_layout import share_flags, share_layout
 
 
 class Slots(NamedTuple):
@@ -200,7 +201,7 @@ def split_filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slot
                            spec: P) -> jax.Array:
     """:func:`filled_attention` with the cache split over its slots on mesh axis ``spec[2]``, under
     ``shard_map``: chip c of n holds slots ``c, c + n, c + 2n, ...`` of every row and KV head (the
-    interleaved layout of ``zoo.models.shared.kv_slots``: a row filled to f tokens has about f / n on
+    interleaved layout of ``zoo.sharding.slot_layout``: a row filled to f tokens has about f / n on
     every chip), reads the filled blocks of them (none where its share is still empty), and the
     partial softmax sums are combined across the axis. The queries are gathered to every chip (they
     are T tokens); the result is whole on every chip. Shapes as :func:`grouped_attention`."""
@@ -217,7 +218,7 @@ def split_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axi
     """One chip's part of :func:`split_filled_attention` (under ``shard_map``, or ``vmap`` with
     ``axis_name``): ``k, v [B, G, S, D]`` its share of the slots (interleaved, in local order), the rest
     whole (``key_valid [B, L]`` too); returns the whole result ``[B, T, H, Dv]``, combined across
-    ``axis``. Visibility is compared in local slots (``kv_slots.share_layout``)."""
+    ``axis``. Visibility is compared in local slots (``slot_layout.share_layout``)."""
     share = k.shape[2]
     offset, stride = share_layout(axis, share, interleaved=True)
     block, n_blocks = share_blocks(write_at, q.shape[1], share, offset, stride, live)

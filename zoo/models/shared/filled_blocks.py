@@ -169,7 +169,7 @@ def local_blocks(write_at: jax.Array, t: int, share: int, shard: jax.Array, live
 
 
 def share_blocks(write_at: jax.Array, t: int, share: int, offset, stride, live: jax.Array | None = None):
-    """:func:`local_blocks` for a share of any layout (``zoo.models.shared.kv_slots.share_layout``:
+    """:func:`local_blocks` for a share of any layout (``zoo.sharding.slot_layout.share_layout``:
     global slot g is local slot ``(g - offset) // stride``): ``(block, n_blocks)``, the blocks of the
     share up to the last slot a live row holds after the call."""
     block = key_block(share) or share
