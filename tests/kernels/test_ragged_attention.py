@@ -165,7 +165,7 @@ def test_split_over_chips_through_the_kernel(length, filled, t, live):
     shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], share, n, *a.shape[axis + 1:]), axis + 1, 0)  # noqa: E731
     chip = jax.vmap(lambda k, v: ga.kernel_attention_share(
         q, k, v, slots.key_valid, slots.query_slot, slots.write_at, slots.live, axis="tp", scale=D ** -0.5,
-        interpret=True), axis_name="tp")
+        interpret=True, interleaved=True), axis_name="tp")
     out = jax.jit(chip)(shares(k, 2), shares(v, 2))
     ref = ga.grouped_attention(q, k, v, ga.attention_mask(slots), D ** -0.5)
     rows = np.asarray(live)

@@ -62,7 +62,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from zoo.kernels.census import record
 from zoo.ops.matmul import precision_for
-from zoo.sharding.slot_layout import share_layout
+from zoo.sharding.slot_layout import local_slot, share_layout
 
 F32 = jnp.float32
 F32_MIN = jnp.finfo(jnp.float32).min
@@ -87,7 +87,7 @@ def token_blocks(write_at: jax.Array, t: int, live: jax.Array, share: int, block
     none for a row without a real token in the call (``live[b]`` False) or a token whose slots all lie
     before the share."""
     slot = write_at[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    reach = jnp.where(live[:, None], (slot - first) // stride + 1, 0)
+    reach = jnp.where(live[:, None], local_slot(slot, first, stride) + 1, 0)
     return jnp.clip(-(-reach // block), 0, -(-share // block)).astype(jnp.int32)
 
 
@@ -312,8 +312,8 @@ def share_attention(q, k, v, key_valid, query_slot, write_at, live, *, axis, blo
     if interleaved and selection is not None:
         raise ValueError("share_attention: GLM's pool selection reads contiguous shares only")
     n_blocks = token_blocks(write_at, t, live, share, block, first, stride)
-    if stride != 1:                     # visibility in local slots: j <= (q - first) // stride
-        query_slot, first = (query_slot - first) // stride, 0
+    if stride != 1:                     # visibility in local slots: j <= local_slot(q)
+        query_slot, first = local_slot(query_slot, first, stride), 0
     m, l, acc = ragged_attention(q, k, v, key_valid, query_slot, n_blocks, first, block=block,  # noqa: E741
                                  scale=scale, selection=selection, interpret=interpret, stride=stride)
     return finish(m, l, acc) if axis is None else combine(m, l, acc, axis)

@@ -51,6 +51,13 @@ def share_layout(axis: str, share: int, interleaved: bool) -> tuple[jax.Array, i
     return (c, jax.lax.axis_size(axis)) if interleaved else (c * share, 1)
 
 
+def local_slot(g: jax.Array, offset, stride) -> jax.Array:
+    """Global slot(s) ``g`` in a share's local numbering, ``(g - offset) // stride``
+    (:func:`share_layout`): the local slots at or before it are ``0 .. local_slot(g)`` (negative:
+    none)."""
+    return (g - offset) // stride
+
+
 def share_flags(flags: jax.Array, axis: str, share: int, interleaved: bool) -> jax.Array:
     """This chip's ``[B, share]`` of per-slot ``flags [B, L]`` (whole on every chip, global order),
     inside ``shard_map`` over mesh ``axis``: its slots as :func:`share_layout` lays them out, in

@@ -106,7 +106,7 @@ def test_split_over_chips_equals_whole_window(length, filled, t, live):
     # chip c holds slots c, c + n, ... (the interleaved layout, ``slot_layout``): [n, ..., share, ...]
     shares = lambda a, axis: jnp.moveaxis(a.reshape(*a.shape[:axis], share, n, *a.shape[axis + 1:]), axis + 1, 0)  # noqa: E731
     chip = jax.vmap(lambda k, v: split_attention_share(q, k, v, slots.key_valid, slots.query_slot, slots.write_at,
-                                                       slots.live, axis="tp", scale=D ** -0.5),
+                                                       slots.live, axis="tp", scale=D ** -0.5, interleaved=True),
                     axis_name="tp")
     out = jax.jit(chip)(shares(k, 2), shares(v, 2))
     ref = grouped_attention(q, k, v, attention_mask(slots), D ** -0.5)

@@ -51,7 +51,7 @@ from zoo.models.shared.layers import Linear, RMSNorm, apply_rotary
 from zoo.ops.matmul import einsum, precision_for
 from zoo.sharding.cache_axes import CacheState, cache_state
 from zoo.sharding.mesh import current_spec
-from zoo.sharding.slot_layout import share_flags, share_layout
+from zoo.sharding.slot_layout import local_slot, share_flags, share_layout, slot_interleave
 
 
 class Slots(NamedTuple):
@@ -206,7 +206,7 @@ def split_filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slot
     partial softmax sums are combined across the axis. The queries are gathered to every chip (they
     are T tokens); the result is whole on every chip. Shapes as :func:`grouped_attention`."""
     axis = spec[2]
-    local = functools.partial(split_attention_share, axis=axis, scale=scale)
+    local = functools.partial(split_attention_share, axis=axis, scale=scale, interleaved=_interleaved(k))
     rows = P(spec[0])
     return jax.shard_map(local, in_specs=(P(spec[0], None, None, None), spec, spec, P(spec[0], None),
                                           P(spec[0], None), rows, rows),
@@ -214,18 +214,25 @@ def split_filled_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slot
         q, k, v, slots.key_valid, slots.query_slot, slots.write_at, slots.live)
 
 
-def split_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axis: str, scale: float):
+def _interleaved(k: jax.Array) -> bool:
+    """Whether the current mesh interleaves the slots of a KV cache shaped like ``k``
+    (``slot_layout.INTERLEAVED_AXES``)."""
+    return slot_interleave(KVCache.AXES["k"], k.shape) > 1
+
+
+def split_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axis: str, scale: float,
+                          interleaved: bool):
     """One chip's part of :func:`split_filled_attention` (under ``shard_map``, or ``vmap`` with
-    ``axis_name``): ``k, v [B, G, S, D]`` its share of the slots (interleaved, in local order), the rest
-    whole (``key_valid [B, L]`` too); returns the whole result ``[B, T, H, Dv]``, combined across
-    ``axis``. Visibility is compared in local slots (``slot_layout.share_layout``)."""
+    ``axis_name``): ``k, v [B, G, S, D]`` its share of the slots in local order (``interleaved`` or
+    contiguous: ``slot_layout.share_layout``), the rest whole (``key_valid [B, L]`` too); returns the
+    whole result ``[B, T, H, Dv]``, combined across ``axis``. Visibility is compared in local slots."""
     share = k.shape[2]
-    offset, stride = share_layout(axis, share, interleaved=True)
+    offset, stride = share_layout(axis, share, interleaved)
     block, n_blocks = share_blocks(write_at, q.shape[1], share, offset, stride, live)
     softmax = functools.partial(split_online_softmax, axis)
-    local_slot = (query_slot - offset) // stride
-    key_valid = share_flags(key_valid, axis, share, interleaved=True)
-    return _blocked_attention(q, k, v, key_valid, local_slot, scale, n_blocks, block, 0, softmax)
+    key_valid = share_flags(key_valid, axis, share, interleaved)
+    return _blocked_attention(q, k, v, key_valid, local_slot(query_slot, offset, stride), scale, n_blocks, block,
+                              0, softmax)
 
 
 def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, scale: float, spec: P | None,
@@ -235,7 +242,7 @@ def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
     rows and heads as the cache is split, and where the slots are split each chip reads its share
     and the partial sums are combined across the axis. Shapes as :func:`grouped_attention`."""
     local = functools.partial(kernel_attention_share, axis=None if spec is None else spec[2], scale=scale,
-                              interpret=interpret)
+                              interpret=interpret, interleaved=_interleaved(k))
     args = (q, k, v, slots.key_valid, slots.query_slot, slots.write_at, slots.live)
     if spec is None:
         return local(*args)
@@ -246,19 +253,19 @@ def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: Slots, sca
 
 
 def kernel_attention_share(q, k, v, key_valid, query_slot, write_at, live, *, axis: str | None, scale: float,
-                           interpret: bool = False):
+                           interpret: bool = False, interleaved: bool = False):
     """One chip's part of :func:`kernel_attention` (the whole call where ``axis`` is None): ``k, v
-    [B, G, S, D]`` its share of the slots (interleaved, in local order), ``key_valid [B, L]`` whole;
-    returns ``[B, T, H, Dv]``."""
+    [B, G, S, D]`` its share of the slots in local order (``interleaved`` or contiguous), ``key_valid
+    [B, L]`` whole; returns ``[B, T, H, Dv]``."""
     b, t, h, dk = q.shape
     g, dv = k.shape[1], v.shape[-1]
     r = h // g
     qg = jnp.moveaxis(q.reshape(b, t, g, r, dk), 1, 2).reshape(b, g, t * r, dk)    # token-major: row t * R + r
     if axis is not None:
-        key_valid = share_flags(key_valid, axis, k.shape[2], interleaved=True)
+        key_valid = share_flags(key_valid, axis, k.shape[2], interleaved)
     out = ragged.share_attention(qg, k, v, key_valid, query_slot, write_at, live, axis=axis,
                                  block=kernel_block(k.shape[2]), scale=scale, interpret=interpret,
-                                 interleaved=axis is not None)
+                                 interleaved=interleaved)
     return jnp.moveaxis(out.reshape(b, g, t, r, dv), 2, 1).reshape(b, t, h, dv).astype(q.dtype)
 
 

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo.kernels.ragged_attention import supported as ragged_supported
+from zoo.kernels.ragged_attention import token_blocks as ragged_token_blocks
 
 F32_MIN = jnp.finfo(jnp.float32).min
 
@@ -173,8 +174,6 @@ def share_blocks(write_at: jax.Array, t: int, share: int, offset, stride, live: 
     global slot g is local slot ``(g - offset) // stride``): ``(block, n_blocks)``, the blocks of the
     share up to the last slot a live row holds after the call."""
     block = key_block(share) or share
-    last = write_at + t - 1
-    reach = (last - offset) // stride + 1
-    reach = reach if live is None else jnp.where(live, reach, 0)
-    n = jnp.clip((jnp.max(reach) + block - 1) // block, 0, -(-share // block)).astype(jnp.int32)
-    return block, n
+    live = jnp.ones(write_at.shape, bool) if live is None else live
+    last = ragged_token_blocks(write_at + t - 1, 1, live, share, block, offset, stride)    # each row's last token
+    return block, jnp.max(last)
