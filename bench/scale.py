@@ -15,7 +15,10 @@ where this user may; else every figure says "warm"), each with its baseline meas
     generate        ``--tokens`` greedy tokens after the load: time to the first token, time per token
     cache build     ``zoo cache build FILE --dir D``: time, peak RSS, the entry's bytes
     cache raw read  a sequential read of the entry (the baseline of the restore), and kept as above
-    restore         ``zoo.load(FILE, cache=D)``: time / the cache's raw read
+    restore         ``zoo.load(FILE, cache=D)``: time / the cache's raw read (its leaves mapped from the
+                    entry's files, ``zoo.weight_cache.ocdbt_reader.map_leaves``)
+    restore copied  the same with ``ZOO_CACHE_MMAP=0`` (every leaf copied into a fresh buffer): the
+                    baseline of the mapping, and its ratio
 
     python bench/scale.py --model qwen38-27b                   # the whole 12.9 GB model
     python bench/scale.py --model glm53-flash --layers 4       # four full-width layers of GLM-5.3-Flash
@@ -64,11 +67,13 @@ def files_under(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
 
 
-def child(step: str, args: dict) -> dict:
-    """Run ``step`` in a fresh process (``--child``), cold; its JSON line, with its peak RSS."""
+def child(step: str, args: dict, env: dict | None = None) -> dict:
+    """Run ``step`` in a fresh process (``--child``), cold, with ``env`` added to its environment; its
+    JSON line, with its peak RSS."""
     cold = drop_caches()
     out = subprocess.run([sys.executable, __file__, "--child", step, json.dumps(args)], capture_output=True,
-                         text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+                         text=True, env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+                                         **(env or {})})
     if out.returncode != 0:
         raise SystemExit(f"{step} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -161,7 +166,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=4, help="greedy tokens to generate after the load (0: none)")
     p.add_argument("--dir", default="/tmp/zoo-scale", help="where the file and the cache go")
     p.add_argument("--reuse", action="store_true", help="keep an existing synthetic file")
-    p.add_argument("--skip", nargs="*", default=[], choices=["cache"], help="steps to leave out")
+    p.add_argument("--skip", nargs="*", default=[], choices=["source", "build", "cache"],
+                   help="steps to leave out: source (the GGUF's reads, tools and load), build (restore the entry "
+                        "already there), cache (the cache's steps)")
     a = p.parse_args()
 
     from zoo.tools.synthetic_gguf import write_synthetic_gguf
@@ -181,37 +188,43 @@ def main() -> int:
         write_synthetic_gguf(path, a.model, layers=a.layers, vocab=a.vocab)
         say("write", f"{time.perf_counter() - t0:.1f} s", seconds=time.perf_counter() - t0)
     size = path.stat().st_size
-    raw = raw_read([path])
-    mbs = size / raw["seconds"] / 1e6
-    state = "cold" if raw["cold"] else "warm"
-    say("raw read", f"{raw['seconds']:.1f} s for {size / 1e9:.2f} GB ({mbs:.0f} MB/s, {state})", **raw)
-    kept = child("raw kept", {"files": [str(path)]})
-    say("raw kept", f"{kept['seconds']:.1f} s: the same read into fresh memory that is kept, as a loader's "
-                    f"is ({kept['seconds'] / raw['seconds']:.2f}x the raw read)", **kept)
-    fresh = child("fresh memory", {"bytes": size})
-    say("fresh memory", f"{fresh['seconds']:.1f} s to touch {size / 2**30:.1f} GiB of new memory "
-                        f"({size / 2**30 / fresh['seconds']:.2f} GiB/s)", **fresh)
-    for tool in ("inspect", "plan"):
-        r = child(tool, {"path": str(path)})
-        say(tool, f"{r['seconds']:.2f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB", **r)
-    r = child("load", {"path": str(path), "tokens": a.tokens})
-    gen = "" if not a.tokens else (f"; first token {r['first_token_s']:.1f} s, "
-                                   f"{r['per_token_s'] or 0:.1f} s/token, tokens {r['tokens']}")
-    say("load", f"{r['load_s']:.1f} s = {r['load_s'] / raw['seconds']:.2f}x the raw read "
-                f"({r['load_s'] / kept['seconds']:.2f}x the kept read, {r['load_s'] / fresh['seconds']:.2f}x "
-                f"touching the file's size of new memory); peak RSS "
-                f"{r['load_peak_rss'] / 2**30:.2f} GiB = {r['load_peak_rss'] / size:.2f}x the file (with "
-                f"generation {r['peak_rss'] / 2**30:.2f} GiB){gen}",
-        ratio=r["load_s"] / raw["seconds"], kept_ratio=r["load_s"] / kept["seconds"],
-        rss_ratio=r["load_peak_rss"] / size, **r)
+    if "source" not in a.skip:
+        raw = raw_read([path])
+        mbs = size / raw["seconds"] / 1e6
+        state = "cold" if raw["cold"] else "warm"
+        say("raw read", f"{raw['seconds']:.1f} s for {size / 1e9:.2f} GB ({mbs:.0f} MB/s, {state})", **raw)
+        kept = child("raw kept", {"files": [str(path)]})
+        say("raw kept", f"{kept['seconds']:.1f} s: the same read into fresh memory that is kept, as a loader's "
+                        f"is ({kept['seconds'] / raw['seconds']:.2f}x the raw read)", **kept)
+        fresh = child("fresh memory", {"bytes": size})
+        say("fresh memory", f"{fresh['seconds']:.1f} s to touch {size / 2**30:.1f} GiB of new memory "
+                            f"({size / 2**30 / fresh['seconds']:.2f} GiB/s)", **fresh)
+        for tool in ("inspect", "plan"):
+            r = child(tool, {"path": str(path)})
+            say(tool, f"{r['seconds']:.2f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB", **r)
+        r = child("load", {"path": str(path), "tokens": a.tokens})
+        gen = "" if not a.tokens else (f"; first token {r['first_token_s']:.1f} s, "
+                                       f"{r['per_token_s'] or 0:.1f} s/token, tokens {r['tokens']}")
+        say("load", f"{r['load_s']:.1f} s = {r['load_s'] / raw['seconds']:.2f}x the raw read "
+                    f"({r['load_s'] / kept['seconds']:.2f}x the kept read, {r['load_s'] / fresh['seconds']:.2f}x "
+                    f"touching the file's size of new memory); peak RSS "
+                    f"{r['load_peak_rss'] / 2**30:.2f} GiB = {r['load_peak_rss'] / size:.2f}x the file (with "
+                    f"generation {r['peak_rss'] / 2**30:.2f} GiB){gen}",
+            ratio=r["load_s"] / raw["seconds"], kept_ratio=r["load_s"] / kept["seconds"],
+            rss_ratio=r["load_peak_rss"] / size, **r)
     if "cache" not in a.skip:
         cache = root / f"cache{suffix}"
-        subprocess.run(["rm", "-rf", str(cache)], check=True)
-        r = child("build", {"path": str(path), "cache": str(cache)})
-        entry = Path(r["entry"])
-        cache_bytes = sum(f.stat().st_size for f in files_under(entry))
-        say("cache build", f"{r['seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB, "
-                           f"{cache_bytes / 1e9:.2f} GB", bytes=cache_bytes, **r)
+        entries = sorted(cache.glob(f"{path.stem}-*")) if "build" in a.skip else []
+        if entries:
+            entry = entries[0]
+            cache_bytes = sum(f.stat().st_size for f in files_under(entry))
+        else:
+            subprocess.run(["rm", "-rf", str(cache)], check=True)
+            r = child("build", {"path": str(path), "cache": str(cache)})
+            entry = Path(r["entry"])
+            cache_bytes = sum(f.stat().st_size for f in files_under(entry))
+            say("cache build", f"{r['seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB, "
+                               f"{cache_bytes / 1e9:.2f} GB", bytes=cache_bytes, **r)
         craw = raw_read(files_under(entry))
         say("cache raw", f"{craw['seconds']:.1f} s ({cache_bytes / craw['seconds'] / 1e6:.0f} MB/s"
                          f"{', cold' if craw['cold'] else ', warm'})", **craw)
@@ -220,12 +233,17 @@ def main() -> int:
         ckept = child("raw kept", {"files": [str(f) for f in files_under(entry)]})
         say("cache kept", f"{ckept['seconds']:.1f} s ({ckept['seconds'] / craw['seconds']:.2f}x the cache's raw read)",
             **ckept)
-        r = child("restore", {"path": str(path), "cache": str(cache)})
-        say("restore", f"{r['load_s']:.1f} s = {r['load_s'] / craw['seconds']:.2f}x the cache's raw read "
-                       f"({r['load_s'] / ckept['seconds']:.2f}x its kept read, {r['load_s'] / cfresh['seconds']:.2f}x "
-                       f"touching its size of new memory); peak RSS "
-                       f"{r['load_peak_rss'] / 2**30:.2f} GiB", ratio=r["load_s"] / craw["seconds"],
-            kept_ratio=r["load_s"] / ckept["seconds"], **r)
+        # the restore, its leaves mapped from the entry's files (the default), then copied into fresh
+        # buffers as before (ZOO_CACHE_MMAP=0): the copy is this run's baseline of the mapping
+        for name, env in (("restore", None), ("restore copied", {"ZOO_CACHE_MMAP": "0"})):
+            r = child("restore", {"path": str(path), "cache": str(cache)}, env)
+            say(name, f"{r['load_s']:.1f} s = {r['load_s'] / craw['seconds']:.2f}x the cache's raw read "
+                      f"({r['load_s'] / ckept['seconds']:.2f}x its kept read, {r['load_s'] / cfresh['seconds']:.2f}x "
+                      f"touching its size of new memory); peak RSS "
+                      f"{r['load_peak_rss'] / 2**30:.2f} GiB", ratio=r["load_s"] / craw["seconds"],
+                kept_ratio=r["load_s"] / ckept["seconds"], **r)
+        mapped, copied = report["restore"]["load_s"], report["restore copied"]["load_s"]
+        print(f"{'mapped/copied':15s} {mapped / copied:.2f}x (the restore's time, mapped over copied)", flush=True)
     print(json.dumps(report, default=str))
     return 0
 

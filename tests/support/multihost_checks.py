@@ -83,17 +83,17 @@ def cache(path: str, cache_dir: str, layout: str) -> tuple[dict, dict]:
     import orbax.checkpoint  # noqa: F401  (imported now: its module files are not the cache's reads)
 
     import zoo
-    from zoo.weight_cache import store
+    from zoo.weight_cache import group_reads
 
     reads = []
-    read_group = store._read_group
+    read_group = group_reads.read_group
 
     def counted(*args, **kwargs):                # what reading the groups' state reads (not the tokenizer)
         before = read_chars()
         out = read_group(*args, **kwargs)
         reads.append(read_chars() - before)
         return out
-    store._read_group = counted
+    group_reads.read_group = counted
     model = zoo.load(path, dtype="float32", mesh=layout, cache=cache_dir)
     ids = np.random.default_rng(7).integers(1, model.config.vocab_size, (2, 12))
     return {"source": model.load_info["source"], "cache_path": model.load_info.get("cache_path"),

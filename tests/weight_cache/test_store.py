@@ -3,6 +3,7 @@ corruption, atomic saves, and the Kaggle dataset packaging / discovery."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from flax import nnx
 import zoo
 from tests.support.paths import DATA, ROOT
 from zoo.engine.compile_cache import trust_compile_cache
+from zoo.weight_cache import digests as shard_digests
 from zoo.weight_cache import store as checkpoint
 
 IDS = np.arange(40)[None] % 500
@@ -55,15 +57,64 @@ def test_round_trip_is_bit_identical(tmp_path, gguf):
           f"{fresh.load_info['seconds']['save']:.2f}s, restore {restored.load_info['seconds']['restore']:.2f}s")
 
 
+def _mapped_ranges(root: Path) -> list[tuple[int, int]]:
+    """This process's memory maps of files under ``root`` (``/proc/self/maps``): ``(start, end)``."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].startswith(str(root)):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+def _aliased_bytes(model, ranges) -> tuple[int, int]:
+    """(bytes of the model's parameters whose device buffer lies in one of ``ranges``, all bytes)."""
+    inside = total = 0
+    for x in jax.tree.leaves(nnx.state(model.module)):
+        total += x.nbytes
+        at = x.unsafe_buffer_pointer()
+        inside += x.nbytes if any(lo <= at and at + x.nbytes <= hi for lo, hi in ranges) else 0
+    return inside, total
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="memory maps are listed by Linux")
+def test_a_restore_maps_the_entry_and_the_weights_are_its_pages(tmp_path):
+    """On the CPU backend the restored weights are the entry's data files' own pages (``mmap``,
+    ``zoo.weight_cache.ocdbt_reader.map_leaves``; no copy, no new anonymous memory): all but the
+    small leaves that OCDBT keeps inline or that do not start on a 64-byte boundary. The same
+    weights and logits as the copy path (``ZOO_CACHE_MMAP=0``), whose weights lie in no map."""
+    saved = zoo.load("qwen38-tiny", cache=tmp_path)
+    entry = Path(saved.load_info["cache_path"])
+    mapped = zoo.load("qwen38-tiny", cache=tmp_path)
+    assert mapped.load_info["source"] == "cache"
+    inside, total = _aliased_bytes(mapped, _mapped_ranges(entry / "state"))
+    assert inside >= 0.99 * total, (inside, total)
+    os.environ["ZOO_CACHE_MMAP"] = "0"
+    try:
+        copied = zoo.load("qwen38-tiny", cache=tmp_path)
+    finally:
+        del os.environ["ZOO_CACHE_MMAP"]
+    assert copied.load_info["source"] == "cache"
+    assert _aliased_bytes(copied, _mapped_ranges(entry / "state"))[0] == 0
+    assert_same_model(mapped, copied)
+    assert_same_model(saved, mapped)
+    del mapped                  # the maps go with the model's last array of them
+    gc.collect()
+    assert _mapped_ranges(entry / "state") == []
+
+
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="page cache hints are a Linux call")
-def test_a_restore_large_for_the_host_leaves_no_page_cache_copy(tmp_path, monkeypatch):
-    """An entry of at least a quarter of the host's memory: once a group is read, the page cache's
-    copy of its files is dropped (``zoo.formats.host_arrays``: reclaiming it while the restore
-    allocated was most of a 14.8 GB restore's time); on a host where the entry is small it stays
-    cached. The same weights either way. Residency by ``mincore``."""
+def test_a_copying_restore_large_for_the_host_leaves_no_page_cache_copy(tmp_path, monkeypatch):
+    """Where leaves are copied rather than mapped (``ZOO_CACHE_MMAP=0`` here; a leaf that cannot be
+    mapped anywhere), an entry of at least a quarter of the host's memory has the page cache's copy
+    of a group's files dropped once the group is read (``zoo.formats.host_arrays``: reclaiming it
+    while the restore allocated was most of a 14.8 GB restore's time); on a host where the entry is
+    small it stays cached. The same weights either way. Residency by ``mincore``."""
     from tests.support.page_cache import make_resident, resident_fraction
     from zoo.formats import host_arrays
 
+    monkeypatch.setenv("ZOO_CACHE_MMAP", "0")
     saved = zoo.load("qwen38-tiny", cache=tmp_path)
     entry = Path(saved.load_info["cache_path"])
     state = [p for p in (entry / "state").rglob("*") if p.is_file() and p.stat().st_size]
@@ -210,6 +261,52 @@ def test_manifest_is_data_only(tmp_path):
     (entry / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(checkpoint.CacheError, match="unknown stored type"):
         checkpoint.restore(entry)
+
+
+def test_entries_digested_with_crc32_before_still_restore_and_catch_a_flipped_byte(tmp_path, monkeypatch, capsys):
+    """Saves record their digest kind (XXH3); an entry without one was saved with CRC-32 and is checked
+    with it: it restores, and a flipped byte is still caught. A kind this zoo does not know is refused
+    with its name (and the model rebuilt), never skipped."""
+    monkeypatch.setattr(shard_digests, "DIGEST", "crc32")
+    saved = zoo.load("qwen38-tiny", cache=tmp_path)
+    monkeypatch.undo()
+    entry = Path(saved.load_info["cache_path"])
+    manifest = json.loads((entry / checkpoint.MANIFEST).read_text())
+    assert manifest.pop("digest") == "crc32"                  # as the entries of earlier zoos: no kind
+    (entry / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    old = zoo.load("qwen38-tiny", cache=tmp_path)
+    assert old.load_info["source"] == "cache"
+    assert_same_model(saved, old)
+    leaf = next(iter(manifest["digests"]["embed_tokens"]))
+    record = manifest["digests"]["embed_tokens"][leaf][0]
+    record[2] ^= 1                                             # a digest that no longer matches
+    (entry / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CacheError, match="does not match its recorded digest"):
+        checkpoint.restore(entry)
+    manifest["digest"] = "md4"
+    (entry / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CacheError, match="digests are 'md4'"):
+        checkpoint.restore(entry)
+    capsys.readouterr()
+    rebuilt = zoo.load("qwen38-tiny", cache=tmp_path)
+    assert rebuilt.load_info["source"] == "source" and "digests are 'md4'" in capsys.readouterr().err
+    assert json.loads((entry / checkpoint.MANIFEST).read_text())["digest"] == "xxh3_64"
+
+
+def test_both_digest_kinds_see_every_byte():
+    """``host_digest``: any changed byte, a different length or other chunking changes it, for both kinds."""
+    a = np.random.default_rng(0).integers(0, 255, 3 * shard_digests._DIGEST_CHUNK + 5, dtype=np.uint8)
+    for kind in checkpoint.DIGESTS:
+        base = checkpoint.host_digest(a, kind)
+        assert checkpoint.host_digest(a.copy(), kind) == base
+        for at in (0, shard_digests._DIGEST_CHUNK - 1, a.size - 1):
+            b = a.copy()
+            b[at] ^= 0x10
+            assert checkpoint.host_digest(b, kind) != base, (kind, at)
+        assert checkpoint.host_digest(a[:-1], kind) != base
+    assert checkpoint.host_digest(a, "crc32") != checkpoint.host_digest(a, "xxh3_64")
+    with pytest.raises(checkpoint.CacheError, match="unknown digest kind"):
+        checkpoint.host_digest(a, "md4")
 
 
 def test_cache_cli_build_and_ls(tmp_path, capsys):

@@ -1,9 +1,12 @@
 """Content digests of a cache entry's leaves, per saved shard, checked where each process reads.
 
-Orbax restores flipped bytes silently, so the save records a CRC-32 of every shard it wrote and the
-restore checks them. A leaf's record is a list of its saved shards::
+Orbax restores flipped bytes silently, so the save records a digest of every shard it wrote and the
+restore checks them (XXH3; CRC-32 in the entries saved before it: ``host_digest``). A
+leaf's record is a list of its saved shards::
 
-    [[start, ...], [size, ...], crc]      one per distinct shard (replicas are written once)
+    [[start, ...], [size, ...], digest]   one per distinct shard (replicas are written once)
+
+``host_digest(array, kind)`` is the digest; ``manifest_digest(manifest)`` the one an entry records.
 
 Each process computes the records of the shards it holds (``shard_records``) and the save gathers
 them (``merge``). One process restores whole leaves to the host and checks every record there,
@@ -18,9 +21,54 @@ alone.
 
 from __future__ import annotations
 
+import functools
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from zoo.sharding.mesh import host_value
+from zoo.weight_cache.errors import CacheError
+
+_DIGEST_CHUNK = 1 << 24      # bytes per digest chunk; chunks are hashed in parallel threads
+# The digest kind a save records (the manifest's "digest"). XXH3 (64-bit) runs at 11.6 GB/s a core here
+# against zlib's CRC-32 at 2.5-2.7: on the 14.8 GB entry of the synthetic Qwen3.8-27B the CRC-32s were
+# 12.8 s of the restore's CPU once its leaves were mapped. Entries saved before record no kind: CRC-32.
+DIGEST = "xxh3_64"
+DIGESTS = ("xxh3_64", "crc32")
+
+
+@functools.lru_cache(maxsize=1)
+def _digest_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 2)), thread_name_prefix="zoo-digest")
+
+
+def host_digest(a: np.ndarray, kind: str | None = None) -> int:
+    """Content digest of a host array's bytes: the ``kind`` digest (``DIGESTS``; None: ``DIGEST``, what a
+    save records) of each 16 MiB chunk (both release the GIL, so chunks run in parallel threads),
+    then of the chunk digests, seeded with the length. Orbax restores flipped bytes silently, so
+    every restored leaf is checked against the digest recorded at save, on the host, before it is
+    placed on a device (no device program to compile, no device-to-host copy)."""
+    kind = DIGEST if kind is None else kind
+    data = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    starts = range(0, len(data), _DIGEST_CHUNK)
+    if kind == "xxh3_64":
+        import xxhash
+        parts = list(_digest_pool().map(lambda i: xxhash.xxh3_64_intdigest(data[i:i + _DIGEST_CHUNK]), starts))
+        return xxhash.xxh3_64_intdigest(np.asarray(parts, np.uint64).tobytes(), len(data))
+    if kind == "crc32":
+        crcs = list(_digest_pool().map(lambda i: zlib.crc32(data[i:i + _DIGEST_CHUNK]), starts))
+        return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), len(data) & 0xFFFFFFFF)
+    raise CacheError(f"unknown digest kind {kind!r} (this zoo checks {', '.join(DIGESTS)})")
+
+
+def manifest_digest(manifest: dict):
+    """``host_digest`` of the kind ``manifest`` records (CRC-32 where it records none)."""
+    kind = manifest.get("digest", "crc32")
+    if kind not in DIGESTS:
+        raise CacheError(f"the cache entry's digests are {kind!r}; this zoo checks {', '.join(DIGESTS)}")
+    return functools.partial(host_digest, kind=kind)
 
 
 def _bounds(shard, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -57,9 +105,9 @@ def merge(parts: list[dict]) -> dict:
 
 
 def _check(block: np.ndarray, rec, offset, digest) -> bool:
-    start, size, crc = rec
+    start, size, want = rec
     sl = tuple(slice(a - o, a - o + n) for a, n, o in zip(start, size, offset))
-    return digest(np.ascontiguousarray(block[sl])) == crc
+    return digest(np.ascontiguousarray(block[sl])) == want
 
 
 def verify(arrays: dict, records: dict, digest) -> str | None:

@@ -24,7 +24,8 @@ killed or failing half-way leaves nothing a later load accepts)::
                     final norm: ``_group``), a dict leaf index ("0", "1", ...) -> array, the
                     leaves of the group's parameters in flat-state order: a streamed build and
                     each read of a restore hold one group in host memory, and progress is shown
-                    (the manifest also holds a CRC-32 digest of every saved shard of every leaf,
+                    (the manifest also holds a digest of every saved shard of every leaf, XXH3 or in
+                    older entries CRC-32 (its "digest"),
                     checked on restore: ``zoo.weight_cache.digests``)
     tokenizer.json, tokenizer_config.json   when the model has a tokenizer
 
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import hashlib
 import importlib
 import json
@@ -58,7 +58,6 @@ import sys
 import tempfile
 import time
 import uuid
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
@@ -68,12 +67,13 @@ import numpy as np
 
 from zoo import registry
 from zoo.formats import planes
-from zoo.formats.host_arrays import aligned_empty, drop_cached, large_for_host
 from zoo.models.architectures import ARCHITECTURES
 from zoo.sharding.mesh import value_specs
 from zoo.text.tokenizer import Tokenizer
 from zoo.weight_cache import digests as shard_digests
-from zoo.weight_cache import ocdbt_reader
+from zoo.weight_cache.digests import DIGESTS, host_digest, manifest_digest  # noqa: F401  (the cache's API)
+from zoo.weight_cache.errors import CacheError
+from zoo.weight_cache.group_reads import GroupReads, check_files, read_group
 
 MANIFEST = "manifest.json"
 # 6: digests per saved shard (a process checks what it read); 5: GLM MLA kv_b stored [H*(dn+dv), C] as
@@ -87,10 +87,6 @@ STORED_TYPES = {"QArray": "zoo.quant.qarray:QArray", "Int8Weight": "zoo.quant.in
 ENUMS = {"GGMLQuantizationType": "gguf.constants:GGMLQuantizationType"}
 # Nested config dataclasses a manifest may hold (a model's vision tower config): zoo's model packages only.
 CONFIG_MODULES = ("zoo.models.",)
-
-
-class CacheError(ValueError):
-    """A cache entry that is incomplete, corrupt, or not what the manifest says."""
 
 
 def _import(ref: str):
@@ -255,31 +251,6 @@ def _skeleton(cls, meta: dict, data: dict):
     return obj
 
 
-# -- content digests ---------------------------------------------------------------------------------
-_DIGEST_CHUNK = 1 << 24      # bytes per CRC-32 chunk; chunks are hashed in parallel threads
-
-
-@functools.lru_cache(maxsize=1)
-def _digest_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 2)), thread_name_prefix="zoo-digest")
-
-
-@functools.lru_cache(maxsize=1)
-def _read_pool() -> ThreadPoolExecutor:
-    """The threads that read a group's leaves from their files (``ocdbt_reader.read_leaves``)."""
-    return ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="zoo-read")
-
-
-def host_digest(a: np.ndarray) -> int:
-    """Content digest of a host array's bytes: CRC-32 of each 16 MiB chunk (zlib releases the GIL,
-    so chunks run in parallel threads), then CRC-32 of the chunk CRCs. Orbax restores flipped
-    bytes silently, so every restored leaf is checked against the digest recorded at save, on the
-    host, before it is placed on a device (no device program to compile, no device-to-host copy)."""
-    data = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-    crcs = list(_digest_pool().map(lambda i: zlib.crc32(data[i:i + _DIGEST_CHUNK]), range(0, len(data), _DIGEST_CHUNK)))
-    return zlib.crc32(np.asarray(crcs, np.uint32).tobytes(), len(data) & 0xFFFFFFFF)
-
-
 def group_records(arrays: dict[str, Any]) -> dict[str, list]:
     """The digest records of this process's shards of a group's leaves (``zoo.weight_cache.digests``)."""
     return {k: shard_digests.shard_records(v, host_digest) for k, v in arrays.items()}
@@ -384,7 +355,8 @@ def write_entry(groups: Iterable[tuple[str, dict[str, Any], dict[str, dict]]], r
             files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted((tmp / "state").rglob("*"))
                      if f.is_file()}
             manifest = {"format": CACHE_FORMAT, "fingerprint": fp, "config": _config_record(config),
-                        "params": entries, "digests": digests, "files": files, "created": time.time()}
+                        "params": entries, "digests": digests, "digest": shard_digests.DIGEST, "files": files,
+                        "created": time.time()}
             (tmp / MANIFEST).write_text(json.dumps(manifest))
             if final.exists():
                 shutil.rmtree(final)
@@ -471,117 +443,6 @@ def find(fp: dict, roots: list[Path]) -> tuple[Path | None, list[str]]:
     return None, reasons
 
 
-def _check_files(entry: Path, group: str, files: dict[str, int]) -> None:
-    """Every file the save wrote for ``group`` is there with its size (a truncated or missing file is
-    reported by name before Orbax reads anything)."""
-    prefix = f"state/{group}/"
-    for rel, size in files.items():
-        if not rel.startswith(prefix):
-            continue
-        path = entry / rel
-        if not path.is_file():
-            raise CacheError(f"{entry}: missing file {rel} of parameter group {group!r}")
-        if path.stat().st_size != size:
-            raise CacheError(f"{entry}: {rel} has {path.stat().st_size} bytes, the save wrote {size} (truncated?)")
-
-
-@functools.lru_cache(maxsize=1)
-def _ts_context():
-    import tensorstore as ts
-    return ts.Context()
-
-
-def _check_leaf(entry: Path, group: str, k: str, dtype, shape, t: jax.ShapeDtypeStruct) -> None:
-    """The stored leaf ``k`` of ``group`` has the manifest's shape and dtype (``t``); else a
-    ``CacheError`` naming both."""
-    if tuple(shape) != tuple(t.shape) or np.dtype(dtype) != np.dtype(t.dtype):
-        raise CacheError(f"{entry}: leaf {k} of group {group!r} is {np.dtype(dtype)}{list(shape)}, "
-                         f"the manifest says {np.dtype(t.dtype)}{list(t.shape)}")
-
-
-def _read_leaves_here(entry: Path, group: str, state_dir: Path,
-                      target: dict[str, jax.ShapeDtypeStruct]) -> dict[str, np.ndarray]:
-    """A group's leaves as whole host arrays in aligned buffers (``aligned_empty``): the arrays the
-    restore checks and places (on the CPU backend the device buffer is that memory). The leaves are
-    the group's Orbax checkpoint's arrays (zarr2 in its OCDBT store). Each leaf saved as one raw
-    chunk (every leaf one process saved) is read from its data file straight into its buffer
-    (``zoo.weight_cache.ocdbt_reader``: one copy, in file order); any other is read by TensorStore
-    into its buffer, with the spec Orbax reads it by. (Orbax's own restore returned arrays
-    TensorStore allocated, which then needed an aligned copy; TensorStore's read into a given
-    buffer still reads each chunk into one of its own first.)"""
-    import tensorstore as ts
-
-    direct = ocdbt_reader.direct_reads(state_dir, target)
-    for k, d in direct.items():         # checked before any buffer is made
-        _check_leaf(entry, group, k, d.dtype, d.shape, target[k])
-    host = ocdbt_reader.read_leaves(direct, _read_pool())
-    writes = []
-    try:
-        for k, t in target.items():
-            if k in host:
-                continue
-            spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": k},
-                    "recheck_cached_data": False, "recheck_cached_metadata": False}
-            src = ts.open(spec, open=True, read=True, context=_ts_context()).result()
-            _check_leaf(entry, group, k, src.dtype.numpy_dtype, src.shape, t)      # before the buffer is made
-            host[k] = aligned_empty(t.shape, t.dtype)
-            writes.append(ts.array(host[k], copy=False, write=True).write(src))
-    finally:                        # every write started ends before anything is raised or returned
-        failed = None
-        for w in writes:
-            try:
-                w.result()
-            except Exception as e:  # noqa: PERF203
-                failed = failed or e
-    if failed is not None:
-        raise failed
-    return {k: host[k] for k in target}
-
-
-def _drop_group_files(entry: Path, group: str, files: dict[str, int]) -> None:
-    """Drop the page cache's copy of ``group``'s files where the entry is large for this host."""
-    if large_for_host(sum(files.values())):
-        drop_cached(entry / rel for rel in files if rel.startswith(f"state/{group}/"))
-
-
-def _read_group(ckptr, entry: Path, group: str, target: dict[str, jax.ShapeDtypeStruct],
-                files: dict[str, int]) -> dict[str, Any]:
-    """One parameter group's leaves, checked against the target's shapes and dtypes: with one process
-    as whole host arrays (checked, then placed, by the caller: no device-to-host copy); with several,
-    on their target shardings (each process reads the chunks of its own devices' shards only).
-    In an entry that is large for this host (``zoo.formats.host_arrays.large_for_host``), the page
-    cache's copy of the group's files is dropped once they are read: nothing reads them again, and
-    the kernel reclaiming it while the restore allocates was most of a restore's time."""
-    import orbax.checkpoint as ocp
-
-    state_dir = (entry / "state" / group).absolute()
-    if not state_dir.is_dir():
-        raise CacheError(f"{entry}: missing state for parameter group {group!r}")
-    _check_files(entry, group, files)
-    try:
-        if jax.process_count() == 1:        # checked leaf by leaf as it is opened
-            host = _read_leaves_here(entry, group, state_dir, target)
-            _drop_group_files(entry, group, files)
-            return host
-        args = ocp.args.PyTreeRestore(
-            item=dict(target),
-            restore_args={k: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
-                          for k, t in target.items()})
-        host = ckptr.restore(state_dir, args=args)
-        _drop_group_files(entry, group, files)
-    except CacheError:
-        raise
-    except Exception as e:      # orbax/tensorstore raise many kinds on truncated or missing files
-        raise CacheError(f"{entry}: cannot restore parameter group {group!r} ({type(e).__name__}: "
-                         f"{str(e)[:200]})") from None
-    if set(host) != set(target):            # what Orbax restored: the leaves it found
-        raise CacheError(f"{entry}: parameter group {group!r} holds leaves {sorted(host)[:5]}..., "
-                         f"the manifest lists {sorted(target)[:5]}...")
-    for k, t in target.items():
-        _check_leaf(entry, group, k, host[k].dtype, host[k].shape, t)
-    return host
-
-
 def verify(entry: Path, progress: bool = True) -> dict:
     """Check a complete entry without building the model, one group in host memory at a time: its
     config names a known architecture, and every group's files, leaf shapes and dtypes and digests
@@ -589,16 +450,14 @@ def verify(entry: Path, progress: bool = True) -> dict:
     One process only (it reads whole leaves to the host)."""
     manifest = read_manifest(entry)
     _config_from_record(manifest["config"])
-    targets: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
-    for rec in manifest["params"].values():
-        group = targets.setdefault(rec["group"], {})
-        for i, leaf in enumerate(jax.tree.leaves(abstract_value(rec))):
-            group[str(rec["first"] + i)] = leaf
+    digest = manifest_digest(manifest)
+    check_files(entry, manifest["files"])
+    targets = _targets(manifest, lambda path, rec: None)
     ckptr = _checkpointer()
     for group, target in _progress(targets.items(), "zoo cache verify", len(targets),
                                    disable=None if progress else True):
-        arrays = _read_group(ckptr, entry, group, target, manifest["files"])
-        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), host_digest)
+        arrays = read_group(ckptr, entry, group, target, manifest["files"])
+        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), digest)
         del arrays
         if bad is not None:
             raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
@@ -606,75 +465,75 @@ def verify(entry: Path, progress: bool = True) -> dict:
     return manifest
 
 
-def _read_ahead(ckptr, entry: Path, targets: dict[str, dict], files: dict[str, int]):
-    """``(group, target, arrays)`` for each group in order, the next group read on a worker thread
-    while the caller checks and places this one (TensorStore's reads and zlib's CRC-32s release
-    the GIL): reading overlaps the digests instead of waiting for them. At most two groups
-    are in host memory at once. One process only; with several, each read is a collective (the
-    groups are read in turn)."""
-    groups = list(targets.items())
-    if jax.process_count() > 1:
-        for group, target in groups:
-            yield group, target, _read_group(ckptr, entry, group, target, files)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="zoo-restore") as pool:
-        read = lambda i: pool.submit(_read_group, ckptr, entry, groups[i][0], groups[i][1], files)   # noqa: E731
-        ahead = read(0) if groups else None
-        for i, (group, target) in enumerate(groups):
-            arrays = ahead.result()
-            ahead = read(i + 1) if i + 1 < len(groups) else None
-            yield group, target, arrays
-            del arrays
+def _targets(manifest: dict, shardings_of) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+    """``{group: {leaf index: ShapeDtypeStruct}}`` of the manifest's parameters, each parameter's leaves
+    on ``shardings_of(path, rec)`` (a list, one per leaf, or None: no sharding); each record gains
+    its abstract value as ``rec["_abstract"]``."""
+    targets: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
+    for path, rec in manifest["params"].items():
+        rec["_abstract"] = abstract_value(rec, shardings_of(path, rec))
+        group = targets.setdefault(rec["group"], {})
+        for i, leaf in enumerate(jax.tree.leaves(rec["_abstract"])):
+            group[str(rec["first"] + i)] = leaf
+    return targets
 
 
 def restore(entry: Path, mesh=None, dtype=None):
     """Rebuild the model from a cache entry, each leaf placed on its sharding on ``mesh`` (or the
-    default device). Returns (module, config, tokenizer)."""
-    from flax import nnx
+    default device). Returns (module, config, tokenizer).
 
+    Without a mesh the reads start first (``group_reads.GroupReads``), and the abstract model is built
+    and the tokenizer loaded while they run; on a mesh the leaves' shardings come from the model, so
+    it is built first."""
+    from flax import nnx
 
     manifest = read_manifest(entry)
     cfg = _config_from_record(manifest["config"])
-    dt = np.dtype(manifest["fingerprint"]["request"]["dtype"]) if dtype is None else dtype
-    abstract = nnx.eval_shape(lambda: ARCHITECTURES[cfg.arch].model_class()(cfg, dtype=dt))
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    variables = {".".join(map(str, p)): v for p, v in flat}
-    if set(variables) != set(manifest["params"]):
-        missing = sorted(set(variables) ^ set(manifest["params"]))[:5]
-        raise CacheError(f"{entry}: the cached parameters do not match the model ({missing} ...)")
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    targets: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
-    for path, rec in manifest["params"].items():
-        value = abstract_value(rec)
-        if mesh is not None:
-            _, specs = value_specs(value, variables[path].get_metadata()["axes"], mesh)
-            shardings = [jax.sharding.NamedSharding(mesh, s) for s in specs]
-        else:
-            shardings = [device] * len(rec["leaves"])
-        rec["_abstract"] = abstract_value(rec, shardings)
-        group = targets.setdefault(rec["group"], {})
-        for i, leaf in enumerate(jax.tree.leaves(rec["_abstract"])):
-            group[str(rec["first"] + i)] = leaf
+    digest = manifest_digest(manifest)
+    check_files(entry, manifest["files"])
     ckptr = _checkpointer()
-    restored = {}
-    for group, target, arrays in _progress(_read_ahead(ckptr, entry, targets, manifest["files"]),
-                                           "zoo cache restore", len(targets)):
-        bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), host_digest)
-        if bad is not None:
-            raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
-                             f"at leaf {bad} (corrupted cache)")
-        # without a mesh the leaves go to the default device uncommitted, as a load from the sources
-        # places them: a committed copy would make every program of the model another program (its
-        # arguments' shardings are part of what is compiled) than the loaded model's
-        restored[group] = {k: jax.device_put(a, None if mesh is None else target[k].sharding)
-                           if isinstance(a, np.ndarray) else a for k, a in arrays.items()}
-        del arrays
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    reads = None
+    if mesh is None:
+        reads = GroupReads(ckptr, entry, _targets(manifest, lambda path, rec: [device] * len(rec["leaves"])),
+                           manifest["files"])
+    try:
+        side = ThreadPoolExecutor(1, thread_name_prefix="zoo-tokenizer")     # its vocabulary beside the reads
+        tokenizer = side.submit(Tokenizer.from_dir, entry)
+        side.shutdown(wait=False)
+        dt = np.dtype(manifest["fingerprint"]["request"]["dtype"]) if dtype is None else dtype
+        abstract = nnx.eval_shape(lambda: ARCHITECTURES[cfg.arch].model_class()(cfg, dtype=dt))
+        graphdef, state = nnx.split(abstract)
+        flat = nnx.to_flat_state(state)
+        variables = {".".join(map(str, p)): v for p, v in flat}
+        if set(variables) != set(manifest["params"]):
+            missing = sorted(set(variables) ^ set(manifest["params"]))[:5]
+            raise CacheError(f"{entry}: the cached parameters do not match the model ({missing} ...)")
+        if reads is None:
+            def on_mesh(path, rec):
+                _, specs = value_specs(abstract_value(rec), variables[path].get_metadata()["axes"], mesh)
+                return [jax.sharding.NamedSharding(mesh, s) for s in specs]
+            reads = GroupReads(ckptr, entry, _targets(manifest, on_mesh), manifest["files"])
+        restored = {}
+        for group, target, arrays in _progress(reads, "zoo cache restore", len(reads)):
+            bad = shard_digests.verify(arrays, manifest["digests"].get(group, {}), digest)
+            if bad is not None:
+                raise CacheError(f"{entry}: parameter group {group!r} does not match its recorded digest "
+                                 f"at leaf {bad} (corrupted cache)")
+            # without a mesh the leaves go to the default device uncommitted, as a load from the sources
+            # places them: a committed copy would make every program of the model another program (its
+            # arguments' shardings are part of what is compiled) than the loaded model's
+            restored[group] = {k: jax.device_put(a, None if mesh is None else target[k].sharding)
+                               if isinstance(a, np.ndarray) else a for k, a in arrays.items()}
+            del arrays
+    finally:
+        if reads is not None:
+            reads.close()
     for path, rec in manifest["params"].items():
         leaves = [restored[rec["group"]][str(rec["first"] + i)] for i in range(len(rec["leaves"]))]
         variables[path].set_value(jax.tree.unflatten(jax.tree.structure(rec["_abstract"]), leaves))
     module = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    return module, cfg, Tokenizer.from_dir(entry)
+    return module, cfg, tokenizer.result()
 
 
 # -- Kaggle datasets ---------------------------------------------------------------------------------
