@@ -36,7 +36,7 @@ from zoo.formats.host_arrays import aligned_empty, drop_cached, large_for_host
 from zoo.weight_cache import ocdbt_reader
 from zoo.weight_cache.errors import CacheError
 
-READ_AHEAD = int(os.environ.get("ZOO_READ_AHEAD", 2))      # groups read while the caller checks one
+READ_AHEAD = 2      # groups read while the caller checks one (1 / 2 / 3 on the 14.8 GB entry: 32.0 / 28.9 / 25.0 s)
 
 
 @functools.lru_cache(maxsize=1)
