@@ -178,6 +178,15 @@ def test_huge_array_length_is_an_error_not_a_hang(small, tmp_path):
         GGUFSource(corrupt(tmp_path, bytes(raw)))
 
 
+def test_an_empty_tensor_with_an_absurd_other_dim_is_an_error(small, tmp_path):
+    """A header edit the fuzzer found (4 bytes at 262 set to 32): a.weight's dims become (0, 2^61),
+    zero bytes, whose array numpy cannot even make. The header check names it."""
+    raw = bytearray(small[0].read_bytes())
+    raw[262:266] = (32).to_bytes(4, "little")
+    with pytest.raises(SourceError, match="'a.weight' has dims .*more than any file holds"):
+        GGUFSource(corrupt(tmp_path, bytes(raw)))
+
+
 @settings(max_examples=50, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_headers_give_clear_errors_only(small, tmp_path, data):

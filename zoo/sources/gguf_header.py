@@ -212,6 +212,9 @@ def check_header(path: Path, data: memoryview) -> int:
     return parse_header(path, data).data_start
 
 
+MAX_WEIGHTS = 1 << 52          # per tensor, its zero dims left out: 4 PiB of int8; numpy's arrays end at 2^63 bytes
+
+
 def tensor_bytes(path: Path, name: str, ne: list[int], raw_type: int) -> int:
     """Bytes of a tensor with ggml dims ``ne`` and type id ``raw_type``; ``SourceError`` if invalid."""
     try:
@@ -222,6 +225,9 @@ def tensor_bytes(path: Path, name: str, ne: list[int], raw_type: int) -> int:
     if ne[0] % block:
         raise SourceError(f"{path}: tensor {name!r} ({qtype.name}) has rows of {ne[0]} weights, not a "
                           f"multiple of the block size {block}")
+    span = math.prod(max(d, 1) for d in ne)     # an empty tensor's other dims still shape its arrays
+    if span > MAX_WEIGHTS:
+        raise SourceError(f"{path}: tensor {name!r} has dims {ne}: {span} weights, more than any file holds")
     return math.prod(ne) // block * size
 
 
