@@ -79,7 +79,7 @@ def _aliased_bytes(model, ranges) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="memory maps are listed by Linux")
-def test_a_restore_maps_the_entry_and_the_weights_are_its_pages(tmp_path):
+def test_a_restore_maps_the_entry_and_the_weights_are_its_pages(tmp_path, monkeypatch):
     """On the CPU backend the restored weights are the entry's data files' own pages (``mmap``,
     ``zoo.weight_cache.ocdbt_reader.map_leaves``; no copy, no new anonymous memory): all but the
     small leaves that OCDBT keeps inline or that do not start on a 64-byte boundary. The same
@@ -90,11 +90,8 @@ def test_a_restore_maps_the_entry_and_the_weights_are_its_pages(tmp_path):
     assert mapped.load_info["source"] == "cache"
     inside, total = _aliased_bytes(mapped, _mapped_ranges(entry / "state"))
     assert inside >= 0.99 * total, (inside, total)
-    os.environ["ZOO_CACHE_MMAP"] = "0"
-    try:
-        copied = zoo.load("qwen38-tiny", cache=tmp_path)
-    finally:
-        del os.environ["ZOO_CACHE_MMAP"]
+    monkeypatch.setenv("ZOO_CACHE_MMAP", "0")
+    copied = zoo.load("qwen38-tiny", cache=tmp_path)
     assert copied.load_info["source"] == "cache"
     assert _aliased_bytes(copied, _mapped_ranges(entry / "state"))[0] == 0
     assert_same_model(mapped, copied)

@@ -54,8 +54,7 @@ import numpy as np
 
 from zoo.formats.host_arrays import ALIGN, aligned_empty, read_into
 
-PART = 32 << 20                 # bytes per read of a part of a leaf (read_leaves)
-MAP_PART = 32 << 20             # bytes per fault-in call of a mapped leaf (map_leaves; 2 and 8 MiB: no gain)
+PART = 32 << 20                 # bytes per read, or fault-in, of a part of a leaf (mapped: 2 and 8 MiB no faster)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +174,12 @@ def direct_reads(state_dir: Path, keys) -> dict[str, DirectRead]:
     return {k: p for k, p in plans.items() if p is not None}
 
 
+def _in_file_order(reads: dict[str, DirectRead]) -> list[str]:
+    """The keys of ``reads`` by where their first bytes lie (file, then offset): reads in this order
+    keep the disk streaming."""
+    return sorted(reads, key=lambda k: (str(reads[k].pieces[0][0]), reads[k].pieces[0][1]))
+
+
 def read_leaves(reads: dict[str, DirectRead], pool=None) -> dict[str, np.ndarray]:
     """The leaves' arrays, each in a fresh aligned buffer, read in file order in parts of at most
     ``PART`` bytes spread over ``pool``'s threads where given (``os.preadv`` releases the GIL, and
@@ -182,7 +187,7 @@ def read_leaves(reads: dict[str, DirectRead], pool=None) -> dict[str, np.ndarray
     slower than TensorStore's pool). The page cache's copy is left to the caller, which drops a
     group's files once they are read (``group_reads.read_group``)."""
     host, parts = {}, []
-    for k in sorted(reads, key=lambda k: (str(reads[k].pieces[0][0]), reads[k].pieces[0][1])):
+    for k in _in_file_order(reads):
         read = reads[k]
         flat = aligned_empty(read.nbytes, np.uint8)
         at = 0
@@ -310,7 +315,7 @@ def map_leaves(reads: dict[str, DirectRead], pool=None) -> tuple[dict[str, np.nd
     if not mapping_enabled():
         return {}, set()
     host, files, parts = {}, set(), []
-    for k in sorted(reads, key=lambda k: (str(reads[k].pieces[0][0]), reads[k].pieces[0][1])):   # file order
+    for k in _in_file_order(reads):
         read = reads[k]
         if not mappable(read):
             continue
@@ -320,7 +325,7 @@ def map_leaves(reads: dict[str, DirectRead], pool=None) -> tuple[dict[str, np.nd
             continue
         files.update(path for path, _, _ in read.pieces)
         address = host[k].ctypes.data
-        parts += [(address + i, min(MAP_PART, read.nbytes - i)) for i in range(0, read.nbytes, MAP_PART)]
+        parts += [(address + i, min(PART, read.nbytes - i)) for i in range(0, read.nbytes, PART)]
     for _ in (pool.map(lambda p: _populate(*p), parts) if pool is not None else (_populate(*p) for p in parts)):
         pass
     return host, files
